@@ -1,0 +1,102 @@
+"""The swappable components of Qwen3-Omni and how segments group them on disk. Pure data: no torch.
+
+Module names are transformers 5.23's (thinker.model.language_model, thinker.model.visual, ...): the pinned
+version. A component is the unit the loader swaps; a segment is a group of components quantized and stored
+together (one directory each in the quantized checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    title: str
+    prefixes: tuple[str, ...]  # parameter-name prefixes that belong to it
+    excludes: tuple[str, ...] = ()  # sub-prefixes that belong to another component
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component("thinker_text", "thinker text decoder", ("thinker.model.language_model.", "thinker.lm_head.")),
+    Component("audio_encoder", "audio encoder", ("thinker.model.audio_tower.",)),
+    Component("vision_encoder", "vision encoder", ("thinker.model.visual.",)),
+    Component("talker", "talker", ("talker.",), excludes=("talker.code_predictor.",)),
+    Component("code_predictor", "code predictor", ("talker.code_predictor.",)),
+    Component("code2wav", "code2wav", ("code2wav.",)),
+)
+BY_NAME = {c.name: c for c in COMPONENTS}
+NAMES = tuple(c.name for c in COMPONENTS)
+
+# The seed's split: what the thinker needs to read a prompt, and what speech and images need.
+DEFAULT_SEGMENTS: dict[str, tuple[str, ...]] = {
+    "thinker": ("audio_encoder", "thinker_text"),
+    "talker_vision": ("vision_encoder", "talker", "code_predictor", "code2wav"),
+}
+DEFAULT_SEGMENTS_SPEC = ";".join(f"{k}={'+'.join(v)}" for k, v in DEFAULT_SEGMENTS.items())
+
+# Pipeline order of a request; the loader and planner walk it in this order.
+PIPELINE = ("audio_encoder", "vision_encoder", "thinker_text", "talker", "code_predictor", "code2wav")
+SPEECH_COMPONENTS = ("talker", "code_predictor", "code2wav")
+
+# Streaming code2wav: the first chunk is small so the first audio packet comes early; later chunks are
+# larger for throughput. Each chunk is decoded with left context so the causal convolutions see the
+# same history as a whole-utterance decode. The planner sizes code2wav activations from these.
+CODE2WAV_FIRST_CHUNK = 8
+CODE2WAV_CHUNK = 32
+CODE2WAV_LEFT_CONTEXT = 25
+# The talker may start speaking after the thinker has produced this many text tokens.
+TALKER_START_TOKENS = 1
+
+
+def component_of(param_name: str) -> str | None:
+    """The component a parameter (or buffer) belongs to, or None for names outside every component."""
+    for comp in COMPONENTS:
+        if param_name.startswith(comp.prefixes) and not param_name.startswith(comp.excludes or ("\0",)):
+            return comp.name
+    return None
+
+
+def parse_segments(spec: str | None) -> dict[str, tuple[str, ...]]:
+    """Parse 'seg=a+b;seg2=c+d+e+f'. Every component must appear exactly once."""
+    if spec is None or not spec.strip():
+        return dict(DEFAULT_SEGMENTS)
+    segments: dict[str, tuple[str, ...]] = {}
+    seen: dict[str, str] = {}
+    for part in spec.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, members = part.partition("=")
+        name = name.strip()
+        if not sep or not name or not name.replace("_", "").isalnum():
+            raise UsageError(f"invalid segment {part!r}: write NAME=component+component (e.g. {DEFAULT_SEGMENTS_SPEC})")
+        if name in segments:
+            raise UsageError(f"segment {name!r} is named twice")
+        comps = tuple(m.strip() for m in members.split("+") if m.strip())
+        if not comps:
+            raise UsageError(f"segment {name!r} has no components")
+        for comp in comps:
+            if comp not in BY_NAME:
+                raise UsageError(f"segment {name!r} names unknown component {comp!r}; components are: {', '.join(NAMES)}")
+            if comp in seen:
+                raise UsageError(f"component {comp!r} is in both segment {seen[comp]!r} and {name!r}")
+            seen[comp] = name
+        segments[name] = comps
+    missing = [c for c in NAMES if c not in seen]
+    if missing:
+        raise UsageError(f"segment split leaves out component(s) {', '.join(missing)}; every component needs a segment")
+    return segments
+
+
+def select_segments(all_segments: dict[str, tuple[str, ...]], names: tuple[str, ...] | None) -> tuple[str, ...]:
+    """Validate a user's --segments list against the split."""
+    if not names:
+        return tuple(all_segments)
+    for name in names:
+        if name not in all_segments:
+            raise UsageError(f"unknown segment {name!r}; segments are: {', '.join(all_segments)}")
+    return tuple(dict.fromkeys(names))

@@ -1,0 +1,154 @@
+"""What `quantize` turns into INT4, decided in one place for the planner, the quantizer and the loader.
+
+A target is either one nn.Linear or one fused MoE experts module (transformers 5.x stores a layer's experts as
+3-D `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; on disk they become one GPTQ Linear per expert and
+projection). Embeddings, lm_head, routers, norms, convolutions and the small projection MLPs stay BF16.
+A Linear whose in_features is not a multiple of the group size (the real vision `linear_fc2`, 4304 wide) is
+stored zero-padded to the next multiple: the padded columns multiply zero activations, so the output is exact,
+and the cost is 48 extra columns of one layer type (~1.1 % of that layer).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .components import component_of
+
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 128
+    quantize_audio_encoder: bool = False
+    quantize_code_predictor: bool = False
+    quantize_code2wav: bool = False
+    quantize_lm_head: bool = False
+
+    def describe(self) -> dict:
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "format": "gptq_v1",
+            "sym": False,
+            "desc_act": False,
+            "quantized": {
+                "thinker_text": "attention q/k/v/o projections and every routed expert's gate/up/down"
+                + (", lm_head" if self.quantize_lm_head else ""),
+                "vision_encoder": "every block's attn qkv/proj and mlp linear_fc1/linear_fc2 (fc2 zero-padded "
+                "to a multiple of the group size)",
+                "talker": "attention projections, routed experts and the shared expert",
+                "audio_encoder": "encoder layers' linears" if self.quantize_audio_encoder else "stays BF16",
+                "code_predictor": "decoder layers' linears" if self.quantize_code_predictor else "stays BF16",
+                "code2wav": "pre-transformer linears" if self.quantize_code2wav else "stays BF16",
+            },
+            "stays_bf16": "embeddings, lm_head, routers, norms, convolutions, projection MLPs, biases",
+        }
+
+
+# Per component: the module paths whose Linears and experts are quantized, as regexes over module names.
+_RULES: dict[str, str] = {
+    "thinker_text": r"^thinker\.model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts|mlp\.(gate|up|down)_proj)$",
+    "audio_encoder": r"^thinker\.model\.audio_tower\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)$",
+    "vision_encoder": r"^thinker\.model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])$",
+    "talker": r"^talker\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts|mlp\.shared_expert\.(gate|up|down)_proj)$",
+    "code_predictor": r"^talker\.code_predictor\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$",
+    "code2wav": r"^code2wav\.pre_transformer\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$",
+}
+_LM_HEAD = r"^thinker\.lm_head$"
+
+
+@dataclass(frozen=True)
+class Target:
+    path: str
+    component: str
+    kind: str  # "linear" or "experts"
+    in_features: int  # H for experts
+    out_features: int  # H for experts (down_proj output)
+    bias: bool = False
+    num_experts: int = 0
+    intermediate: int = 0  # I for experts
+
+    def linears(self) -> list[tuple[str, int, int, bool]]:
+        """(suffix, K, N, bias) of every GPTQ Linear stored for this target."""
+        if self.kind == "linear":
+            return [("", self.in_features, self.out_features, self.bias)]
+        out = []
+        for e in range(self.num_experts):
+            out.append((f".{e}.gate_proj", self.in_features, self.intermediate, False))
+            out.append((f".{e}.up_proj", self.in_features, self.intermediate, False))
+            out.append((f".{e}.down_proj", self.intermediate, self.out_features, False))
+        return out
+
+    @property
+    def weight_params(self) -> int:
+        return sum(k * n for _, k, n, _ in self.linears())
+
+
+def enabled_components(spec: QuantSpec) -> set[str]:
+    comps = {"thinker_text", "vision_encoder", "talker"}
+    if spec.quantize_audio_encoder:
+        comps.add("audio_encoder")
+    if spec.quantize_code_predictor:
+        comps.add("code_predictor")
+    if spec.quantize_code2wav:
+        comps.add("code2wav")
+    return comps
+
+
+def padded(k: int, group_size: int) -> int:
+    return -(-k // group_size) * group_size
+
+
+def gptq_v1_bytes(k: int, n: int, group_size: int, bias: bool) -> int:
+    """File bytes of one GPTQ v1 Linear: int32 qweight [Kp/8, N], int32 qzeros [Kp/g, N/8], fp16 scales
+    [Kp/g, N], int32 g_idx [Kp], bias in 16 bits."""
+    kp = padded(k, group_size)
+    groups = kp // group_size
+    return kp * n // 2 + groups * (n // 8) * 4 + groups * n * 2 + kp * 4 + (n * 2 if bias else 0)
+
+
+def runtime_int4_bytes(k: int, n: int, group_size: int, bias: bool) -> int:
+    """Resident bytes once converted to torch's int4pack layout: packed nibbles plus bf16 scale/zero pairs."""
+    kp = padded(k, group_size)
+    return kp * n // 2 + (kp // group_size) * n * 2 * BF16 + (n * BF16 if bias else 0)
+
+
+def find_targets(model, spec: QuantSpec) -> list[Target]:
+    """Every INT4 target of a (meta-device or real) Qwen3-Omni model under `spec`."""
+    import torch.nn as nn
+
+    rules = {c: re.compile(r) for c, r in _RULES.items() if c in enabled_components(spec)}
+    lm_head = re.compile(_LM_HEAD) if spec.quantize_lm_head else None
+    targets = []
+    for name, module in model.named_modules():
+        comp = component_of(name + ".")
+        if comp is None:
+            continue
+        rule = rules.get(comp)
+        hit = (rule is not None and rule.match(name)) or (lm_head is not None and lm_head.match(name))
+        if not hit:
+            continue
+        if isinstance(module, nn.Linear):
+            if module.out_features % 8:
+                continue  # qzeros pack 8 output columns per int32
+            targets.append(Target(name, comp, "linear", module.in_features, module.out_features,
+                                  bias=module.bias is not None))
+        elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            e, two_i, h = module.gate_up_proj.shape
+            targets.append(Target(name, comp, "experts", h, h, num_experts=e, intermediate=two_i // 2))
+    return targets
+
+
+def target_file_bytes(t: Target, group_size: int) -> int:
+    return sum(gptq_v1_bytes(k, n, group_size, b) for _, k, n, b in t.linears())
+
+
+def target_runtime_bytes(t: Target, group_size: int) -> int:
+    return sum(runtime_int4_bytes(k, n, group_size, b) for _, k, n, b in t.linears())
+
+
+def target_param_count(t: Target) -> int:
+    return t.weight_params + sum(n for _, _, n, b in t.linears() if b)

@@ -1,0 +1,58 @@
+"""Reading a Qwen3-Omni config: validation with clear errors, and the fix-ups transformers 5.23 needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import ModelError
+
+MODEL_TYPE = "qwen3_omni_moe"
+
+
+def config_path(model: str | Path) -> Path:
+    """MODEL is a checkpoint directory or a config.json; return the config file, or say what is wrong."""
+    path = Path(model)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or directory; give a checkpoint directory or its config.json")
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{path.parent}: no config.json in this directory; is it a Qwen3-Omni checkpoint?")
+    return path
+
+
+def read_config_dict(model: str | Path) -> dict:
+    path = config_path(model)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("model_type") != MODEL_TYPE:
+        found = data.get("model_type") if isinstance(data, dict) else type(data).__name__
+        raise ModelError(f"{path}: model_type is {found!r}, not {MODEL_TYPE!r}; orin-omni serves Qwen3-Omni only")
+    for key in ("thinker_config",):
+        if not isinstance(data.get(key), dict):
+            raise ModelError(f"{path}: {key} is missing; this is not a complete Qwen3-Omni config")
+    return data
+
+
+def fix_config(config):
+    """transformers 5.23 traps, fixed in one place: with audio input and return_audio=True the talker
+    computes rope positions from `talker_config.audio_config`, which config.json does not carry."""
+    talker = getattr(config, "talker_config", None)
+    if talker is not None and not hasattr(getattr(talker, "audio_config", None), "n_window"):
+        talker.audio_config = config.thinker_config.audio_config
+    return config
+
+
+def load_config(model: str | Path):
+    """A Qwen3OmniMoeConfig from a checkpoint dir or config.json, validated and fixed up."""
+    from transformers import Qwen3OmniMoeConfig
+
+    data = read_config_dict(model)
+    try:
+        config = Qwen3OmniMoeConfig(**data)
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{config_path(model)}: not a valid Qwen3-Omni config ({exc})") from exc
+    return fix_config(config)

@@ -1,0 +1,447 @@
+"""`orin-omni plan`: sizes per component and segment, request memory, and the residency verdict.
+
+The same functions size a request for the loader at run time (manifest -> plan -> loader): the loader refuses a
+request the planner says cannot fit before anything is loaded, and follows the planner's residency schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import components as C
+from .errors import BudgetError
+from .layout import (
+    QuantSpec,
+    find_targets,
+    padded,
+    target_file_bytes,
+    target_param_count,
+    target_runtime_bytes,
+)
+from .units import format_bytes
+
+PROMPT_TEXT_TOKENS = 28  # chat template plus a short question around the media placeholders
+FRAMES_PER_TEXT_TOKEN = 4  # ~0.3 s of speech per text token at 12.5 codec frames per second; sizes the talker KV
+AUDIO_FRAMES_PER_SECOND = 100  # Whisper features: 10 ms hop at 16 kHz
+VIDEO_FPS = 2.0
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model: str
+    budget: int = 24 << 30
+    audio_seconds: float = 30.0
+    images: int = 1
+    image_size: int = 224
+    video_seconds: float = 0.0
+    text_tokens: int = 256
+    speech: bool = True
+    group_size: int = 128
+    segments: str | None = None
+    quantize_audio_encoder: bool = False
+    quantize_code_predictor: bool = False
+    quantize_code2wav: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    audio_seconds: float = 0.0
+    images: int = 0
+    image_size: int = 224
+    video_seconds: float = 0.0
+    text_tokens: int = 256
+    speech: bool = True
+    prompt_text_tokens: int = PROMPT_TEXT_TOKENS
+
+    def needed(self) -> tuple[str, ...]:
+        """Components this request needs, in pipeline order: text-only loads no encoder, no speech no talker."""
+        need = {"thinker_text"}
+        if self.audio_seconds > 0:
+            need.add("audio_encoder")
+        if self.images > 0 or self.video_seconds > 0:
+            need.add("vision_encoder")
+        if self.speech:
+            need.update(C.SPEECH_COMPONENTS)
+        return tuple(c for c in C.PIPELINE if c in need)
+
+
+@dataclass
+class ComponentSize:
+    name: str
+    params: int
+    bf16_bytes: int
+    int4_bytes: int  # on disk, in the layout quantize writes
+    quantized_params: int
+    runtime_int4_bytes: int  # resident after conversion to torch's int4pack layout (bf16 elsewhere)
+    targets: int
+
+    def to_json(self) -> dict:
+        return {
+            "params": self.params, "bf16_bytes": self.bf16_bytes, "int4_bytes": self.int4_bytes,
+            "quantized_params": self.quantized_params, "runtime_bytes": self.runtime_int4_bytes,
+            "int4_targets": self.targets,
+        }
+
+
+@dataclass
+class ModelSizes:
+    components: dict[str, ComponentSize]
+    segments: dict[str, tuple[str, ...]]
+    spec: QuantSpec
+    dims: dict
+    padded_layers: list[dict] = field(default_factory=list)
+
+    @property
+    def total_params(self) -> int:
+        return sum(c.params for c in self.components.values())
+
+    def segment(self, name: str) -> dict:
+        comps = [self.components[c] for c in self.segments[name]]
+        return {
+            "components": list(self.segments[name]),
+            "params": sum(c.params for c in comps),
+            "bf16_bytes": sum(c.bf16_bytes for c in comps),
+            "int4_bytes": sum(c.int4_bytes for c in comps),
+        }
+
+
+def model_dims(config) -> dict:
+    th = config.thinker_config
+    tt, au, vi = th.text_config, th.audio_config, th.vision_config
+    tk = config.talker_config
+    ktt, cp, c2w = tk.text_config, tk.code_predictor_config, config.code2wav_config
+    return {
+        "thinker": {"layers": tt.num_hidden_layers, "hidden": tt.hidden_size, "heads": tt.num_attention_heads,
+                    "kv_heads": tt.num_key_value_heads, "head_dim": tt.head_dim, "experts": tt.num_experts,
+                    "top_k": tt.num_experts_per_tok, "moe_intermediate": tt.moe_intermediate_size,
+                    "vocab": tt.vocab_size},
+        "audio": {"d_model": au.d_model, "ffn": au.encoder_ffn_dim, "layers": au.encoder_layers,
+                  "n_window": au.n_window, "mel_bins": au.num_mel_bins, "conv_channels": au.downsample_hidden_size,
+                  "conv_chunksize": au.conv_chunksize},
+        "vision": {"hidden": vi.hidden_size, "intermediate": vi.intermediate_size, "heads": vi.num_heads,
+                   "patch": vi.patch_size, "merge": vi.spatial_merge_size, "depth": vi.depth},
+        "talker": {"layers": ktt.num_hidden_layers, "hidden": ktt.hidden_size, "heads": ktt.num_attention_heads,
+                   "kv_heads": ktt.num_key_value_heads, "head_dim": ktt.head_dim, "top_k": ktt.num_experts_per_tok,
+                   "moe_intermediate": ktt.moe_intermediate_size,
+                   "shared_intermediate": ktt.shared_expert_intermediate_size, "vocab": ktt.vocab_size},
+        "code_predictor": {"layers": cp.num_hidden_layers, "hidden": cp.hidden_size, "kv_heads": cp.num_key_value_heads,
+                           "head_dim": cp.head_dim, "groups": tk.num_code_groups},
+        "code2wav": {"hidden": c2w.hidden_size, "decoder_dim": c2w.decoder_dim,
+                     "upsample_rates": list(c2w.upsample_rates), "upsampling_ratios": list(c2w.upsampling_ratios)},
+    }
+
+
+def meta_model(config):
+    """The model skeleton on the meta device: shapes without a byte of weights."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    with torch.device("meta"):
+        return Qwen3OmniMoeForConditionalGeneration(config)
+
+
+def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dtype_bytes: int = 2) -> ModelSizes:
+    model = meta_model(config)
+    params = {c: 0 for c in C.NAMES}
+    for name, p in model.named_parameters():
+        comp = C.component_of(name)
+        if comp is not None:
+            params[comp] += p.numel()
+    targets = find_targets(model, spec)
+    g = spec.group_size
+    q_params = {c: 0 for c in C.NAMES}
+    q_file = {c: 0 for c in C.NAMES}
+    q_run = {c: 0 for c in C.NAMES}
+    n_targets = {c: 0 for c in C.NAMES}
+    padded_layers: dict[tuple[int, int], int] = {}
+    for t in targets:
+        q_params[t.component] += target_param_count(t)
+        q_file[t.component] += target_file_bytes(t, g)
+        q_run[t.component] += target_runtime_bytes(t, g)
+        n_targets[t.component] += 1
+        for _, k, n, _b in t.linears():
+            if k % g:
+                padded_layers[(k, padded(k, g))] = padded_layers.get((k, padded(k, g)), 0) + 1
+    comps = {}
+    for c in C.NAMES:
+        rest = params[c] - q_params[c]
+        comps[c] = ComponentSize(
+            name=c, params=params[c], bf16_bytes=params[c] * 2, int4_bytes=rest * 2 + q_file[c],
+            quantized_params=q_params[c], runtime_int4_bytes=rest * dtype_bytes + q_run[c], targets=n_targets[c],
+        )
+    pads = [{"in_features": k, "padded_in_features": kp, "layers": n} for (k, kp), n in sorted(padded_layers.items())]
+    return ModelSizes(comps, segments, spec, model_dims(config), pads)
+
+
+# ---------------------------------------------------------------- request sizing
+
+
+def audio_tokens(seconds: float, n_window: int) -> int:
+    frames = int(round(seconds * AUDIO_FRAMES_PER_SECOND))
+    if frames <= 0:
+        return 0
+    chunk = n_window * 2
+    leave = frames % chunk
+    feat = (leave - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
+
+
+def image_grid(size: int, patch: int, merge: int) -> int:
+    """Patches of one square image after the processor rounds its side to a multiple of patch*merge."""
+    unit = patch * merge
+    side = max(unit, int(round(size / unit)) * unit)
+    return (side // patch) ** 2
+
+
+def request_tokens(req: Request, dims: dict) -> dict:
+    v = dims["vision"]
+    patches = image_grid(req.image_size, v["patch"], v["merge"])
+    img = req.images * patches // v["merge"] ** 2
+    frames = int(math.ceil(req.video_seconds * VIDEO_FPS))
+    vid = (math.ceil(frames / 2) * patches // v["merge"] ** 2) if frames else 0
+    aud = audio_tokens(req.audio_seconds, dims["audio"]["n_window"])
+    prompt = aud + img + vid + req.prompt_text_tokens
+    frames_out = req.text_tokens * FRAMES_PER_TEXT_TOKEN if req.speech else 0
+    return {"audio": aud, "image": img, "video": vid, "prompt": prompt, "generated": req.text_tokens,
+            "total": prompt + req.text_tokens, "talker_frames": frames_out,
+            "vision_patches": req.images * patches + math.ceil(frames / 2) * patches}
+
+
+def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
+    t, k = dims["thinker"], dims["talker"]
+    thinker = t["layers"] * 2 * t["kv_heads"] * t["head_dim"] * dtype_bytes * tokens["total"]
+    talker_len = tokens["prompt"] + 9 + tokens["talker_frames"] if tokens["talker_frames"] else 0
+    talker = k["layers"] * 2 * k["kv_heads"] * k["head_dim"] * dtype_bytes * talker_len
+    cp = dims["code_predictor"]
+    predictor = cp["layers"] * 2 * cp["kv_heads"] * cp["head_dim"] * dtype_bytes * (cp["groups"] + 1)
+    return {"thinker_text": thinker, "talker": talker, "code_predictor": predictor if talker_len else 0}
+
+
+def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
+    """Transient working memory per stage (bytes), upper estimates of the largest live intermediates."""
+    b = dtype_bytes
+    t, a, v, k = dims["thinker"], dims["audio"], dims["vision"], dims["talker"]
+    T = tokens["prompt"]
+    out = {}
+    if tokens["audio"]:
+        frames = tokens["audio"]  # tokens is enough to size the transformer part
+        chunks = max(1, math.ceil(tokens["audio"] / 13))
+        conv = min(chunks, a["conv_chunksize"]) * a["conv_channels"] * (a["mel_bins"] // 2) * 50 * b * 2
+        body = frames * a["d_model"] * (6 + a["ffn"] // a["d_model"]) * b
+        out["audio_encoder"] = conv + body
+    if tokens["vision_patches"]:
+        P = tokens["vision_patches"]
+        out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * P * b
+    attn = t["heads"] * T * T * b
+    moe = T * t["top_k"] * 3 * t["moe_intermediate"] * b
+    proj = T * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b
+    out["thinker_text"] = attn + moe + proj + t["vocab"] * 4 * 2
+    if tokens["talker_frames"]:
+        Tt = T + 9
+        out["talker"] = (k["heads"] * Tt * Tt * b + Tt * k["top_k"] * 3 * k["moe_intermediate"] * b
+                         + Tt * 4 * k["hidden"] * b + k["vocab"] * 4)
+        c = dims["code2wav"]
+        length = (C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT) * math.prod(c["upsampling_ratios"])
+        peak = length * c["hidden"] * 4 * b
+        ch = c["decoder_dim"]
+        for rate in c["upsample_rates"]:
+            length *= rate
+            ch //= 2
+            peak = max(peak, length * ch * 3 * b)
+        out["code2wav"] = peak
+        out["code_predictor"] = 0
+    return out
+
+
+# ---------------------------------------------------------------- residency
+
+
+@dataclass
+class Stage:
+    name: str
+    resident: tuple[str, ...]
+    bytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "resident": list(self.resident), "bytes": self.bytes}
+
+
+@dataclass
+class Verdict:
+    needed: tuple[str, ...]
+    all_resident_bytes: int
+    all_resident: bool
+    time_sliced: bool
+    schedule: list[Stage]
+    streaming: bool
+    peak_bytes: int
+    reason: str
+
+
+def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
+    """Residency schedules from most to least resident. Streaming speech needs the thinker and the talker
+    side resident together; the sequential fallback speaks after the whole text."""
+    enc = tuple(c for c in ("audio_encoder", "vision_encoder") if c in needed)
+    speech = tuple(c for c in C.SPEECH_COMPONENTS if c in needed)
+    first = [("encode", enc)] if enc else []
+    if not speech:
+        return [("time-sliced", first + [("think", ("thinker_text",))])]
+    return [
+        ("time-sliced, streaming speech", first + [("think+speak", ("thinker_text",) + speech)]),
+        ("time-sliced, speech after text", first + [("think", ("thinker_text",)), ("speak", speech)]),
+        ("time-sliced, one component at a time", first + [("think", ("thinker_text",)),
+                                                          ("talk", ("talker", "code_predictor")),
+                                                          ("vocode", ("code2wav",))]),
+    ]
+
+
+def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], needed: tuple[str, ...],
+           budget: int) -> Verdict:
+    """The verdict for one request: `resident` holds each component's resident bytes."""
+
+    def stage_bytes(comps: tuple[str, ...], kv_alive: tuple[str, ...]) -> int:
+        return (sum(resident[c] for c in comps) + sum(kv.get(c, 0) for c in kv_alive)
+                + max([act.get(c, 0) for c in comps] or [0]))
+
+    all_bytes = sum(resident[c] for c in needed) + sum(kv.get(c, 0) for c in needed) + max(
+        [act.get(c, 0) for c in needed] or [0])
+    largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
+    for label, plan in schedules(needed):
+        stages = []
+        for name, comps in plan:
+            alive = comps if name != "encode" else ()
+            stages.append(Stage(name, comps, stage_bytes(comps, alive)))
+        peak = max(s.bytes for s in stages)
+        if peak <= budget:
+            streaming = "streaming" in label or "speak" not in " ".join(s.name for s in stages)
+            if all_bytes <= budget:
+                return Verdict(needed, all_bytes, True, True, stages, streaming, all_bytes,
+                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})")
+            return Verdict(needed, all_bytes, False, True, stages, "streaming" in label, peak,
+                           f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}")
+    worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0)
+    return Verdict(needed, all_bytes, False, False, [], False, worst,
+                   f"does not fit: {largest} alone needs {format_bytes(worst)} (weights, KV cache and working "
+                   f"memory) but the budget is {format_bytes(budget)}")
+
+
+# ---------------------------------------------------------------- the command
+
+
+@dataclass
+class PlanResult:
+    cfg: PlanConfig
+    sizes: ModelSizes
+    request: Request
+    tokens: dict
+    kv: dict
+    act: dict
+    verdict: Verdict
+    quantized: bool = True
+
+    def to_json(self) -> dict:
+        s = self.sizes
+        v = self.verdict
+        return {
+            "model": self.cfg.model,
+            "budget_bytes": self.cfg.budget,
+            "total_params": s.total_params,
+            "quantization": s.spec.describe(),
+            "padded_layers": s.padded_layers,
+            "components": {n: c.to_json() for n, c in s.components.items()},
+            "segments": {n: s.segment(n) for n in s.segments},
+            "totals": {
+                "params": s.total_params,
+                "bf16_bytes": sum(c.bf16_bytes for c in s.components.values()),
+                "int4_bytes": sum(c.int4_bytes for c in s.components.values()),
+                "runtime_bytes": sum(c.runtime_int4_bytes for c in s.components.values()),
+            },
+            "request": {
+                "tokens": self.tokens,
+                "kv_bytes": sum(self.kv.values()),
+                "kv_by_component": self.kv,
+                "activation_bytes": max(self.act.values() or [0]),
+                "activation_by_component": self.act,
+                "needed": list(v.needed),
+            },
+            "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
+            "schedule": [st.to_json() for st in v.schedule],
+            "all_resident_bytes": v.all_resident_bytes,
+            "peak_bytes": v.peak_bytes,
+            "verdict": v.reason,
+        }
+
+
+def request_from(cfg: PlanConfig) -> Request:
+    return Request(audio_seconds=cfg.audio_seconds, images=cfg.images, image_size=cfg.image_size,
+                   video_seconds=cfg.video_seconds, text_tokens=cfg.text_tokens, speech=cfg.speech)
+
+
+def plan_request(sizes: ModelSizes, req: Request, budget: int, dtype_bytes: int = 2,
+                 resident: dict[str, int] | None = None) -> tuple[dict, dict, dict, Verdict]:
+    tokens = request_tokens(req, sizes.dims)
+    kv = kv_bytes(tokens, sizes.dims, dtype_bytes)
+    act = activation_bytes(tokens, sizes.dims, dtype_bytes)
+    if resident is None:
+        resident = {n: c.runtime_int4_bytes for n, c in sizes.components.items()}
+    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget)
+
+
+def make_plan(cfg: PlanConfig) -> PlanResult:
+    from .errors import UsageError
+    from .modelcfg import load_config
+
+    if cfg.group_size not in (32, 64, 128, 256):
+        raise UsageError(f"group size {cfg.group_size} is not supported: use 32, 64, 128 or 256 "
+                         "(the sizes torch's INT4 kernels take)")
+    segments = C.parse_segments(cfg.segments)
+    config = load_config(cfg.model)
+    spec = QuantSpec(group_size=cfg.group_size, quantize_audio_encoder=cfg.quantize_audio_encoder,
+                     quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav)
+    sizes = size_model(config, spec, segments)
+    req = request_from(cfg)
+    tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget)
+    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict)
+
+
+def require_fit(verdict: Verdict) -> None:
+    if not verdict.time_sliced:
+        raise BudgetError(f"request refused before loading anything: {verdict.reason}; raise --budget, "
+                          "or ask for less (--no-speech, fewer images, shorter audio, fewer tokens)")
+
+
+def render_plan(result: PlanResult) -> str:
+    j = result.to_json()
+    lines = [f"model: {result.cfg.model}   total parameters: {j['total_params']:,}", ""]
+    hdr = f"{'component':<22}{'params':>16}{'BF16':>12}{'INT4 file':>12}{'resident':>12}"
+    lines += [hdr, "-" * len(hdr)]
+    for name, c in result.sizes.components.items():
+        title = C.BY_NAME[name].title
+        lines.append(f"{title:<22}{c.params:>16,}{format_bytes(c.bf16_bytes):>12}{format_bytes(c.int4_bytes):>12}"
+                     f"{format_bytes(c.runtime_int4_bytes):>12}")
+    t = j["totals"]
+    lines.append(f"{'total':<22}{t['params']:>16,}{format_bytes(t['bf16_bytes']):>12}{format_bytes(t['int4_bytes']):>12}"
+                 f"{format_bytes(t['runtime_bytes']):>12}")
+    lines += ["", f"{'segment':<22}{'params':>16}{'BF16':>12}{'INT4 file':>12}  components"]
+    for name, s in j["segments"].items():
+        lines.append(f"{name:<22}{s['params']:>16,}{format_bytes(s['bf16_bytes']):>12}{format_bytes(s['int4_bytes']):>12}"
+                     f"  {' + '.join(s['components'])}")
+    q = result.sizes.spec
+    lines += ["", f"INT4 layout: GPTQ v1, {q.bits}-bit, group {q.group_size}, asymmetric; "
+                  + "; ".join(f"{k}: {v}" for k, v in q.describe()["quantized"].items()),
+              f"stays BF16: {q.describe()['stays_bf16']}"]
+    for p in result.sizes.padded_layers:
+        lines.append(f"padded: {p['layers']} linear(s) with in_features {p['in_features']} stored as "
+                     f"{p['padded_in_features']} (zero columns, exact output)")
+    r = j["request"]
+    tok = r["tokens"]
+    lines += ["", f"request: {tok['prompt']} prompt tokens (audio {tok['audio']}, image {tok['image']}, video "
+                  f"{tok['video']}, text {result.request.prompt_text_tokens}) + {tok['generated']} generated"
+                  + (f", ~{tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
+              f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])}, "
+              f"needs: {', '.join(r['needed'])}"]
+    lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}"]
+    for st in result.verdict.schedule:
+        lines.append(f"  stage {st.name:<12} {format_bytes(st.bytes):>12}  resident: {', '.join(st.resident)}")
+    return "\n".join(lines)

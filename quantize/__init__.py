@@ -1,0 +1,1 @@
+"""orin-omni workstation side: calibration, GPTQ and the manifest writer."""
