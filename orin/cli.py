@@ -100,6 +100,69 @@ def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, te
         click.echo(render_plan(result))
 
 
+@cli.command("power")
+@click.option("--backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
+              show_default=True, help="Power source; auto tries jtop, ina3221, nvml, then none.")
+@click.option("--hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=10.0, show_default=True,
+              help="Sampling rate.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True, max=3600), default=2.0, show_default=True,
+              help="How long to sample.")
+@click.option("--sysfs-root", type=click.Path(file_okay=False), default="/sys", show_default=True,
+              help="Where the INA3221 monitors are looked up (bus/i2c/devices below it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the energy report as JSON.")
+def power_cmd(backend, hz, seconds, sysfs_root, as_json):
+    """Sample board power for a few seconds and print mean/peak watts and energy per rail."""
+    from .power import PowerProbeConfig, probe_power, render_report
+
+    report = probe_power(PowerProbeConfig(backend=backend, hz=hz, seconds=seconds, sysfs_root=sysfs_root))
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else render_report(report))
+
+
+@cli.command("install-service")
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="Quantized checkpoint to serve.")
+@click.option("--name", default="qwen3-omni", show_default=True, help="Unit name (NAME.service).")
+@click.option("--user", default="orin-omni", show_default=True, help="Unprivileged user the server runs as.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; loopback also fences off outbound IP.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--budget", type=SIZE, default="24GiB", show_default=True, help="GPU memory budget; MemoryMax= is this plus headroom.")
+@click.option("--power-mode", type=click.Choice(["MAXN", "50W", "30W", "15W"], case_sensitive=False), default=None,
+              help="nvpmodel mode set before each start (Jetson AGX Orin 64GB).")
+@click.option("--jetson-clocks", is_flag=True, help="Run jetson_clocks before each start (Jetson).")
+@click.option("--platform", type=click.Choice(["auto", "jetson", "discrete"]), default="auto", show_default=True,
+              help="GPU device nodes and groups to allow; auto looks under --root.")
+@click.option("--cpu-quota", default="600%", show_default=True, help="CPUQuota= (100% is one core).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None, help="File with the API keys serve accepts.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=None, help="Requests serve queues before refusing.")
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
+              help="Install under this directory; systemctl and user creation only happen when it is /.")
+@click.option("--dry-run", is_flag=True, help="Print what would be done and the rendered files; write nothing.")
+@click.option("--force", is_flag=True, help="Replace a differing unit or environment file (the old one is kept as .bak).")
+@click.option("--enable/--no-enable", default=True, show_default=True, help="systemctl enable the unit.")
+def install_service_cmd(model_dir, name, user, host, port, budget, power_mode, jetson_clocks, platform, cpu_quota,
+                        api_key_file, max_queue, root, dry_run, force, enable):
+    """Install NAME.service running `orin-omni serve` under a hardened systemd sandbox."""
+    from .service_install import InstallConfig, install_service
+
+    cfg = InstallConfig(
+        model_dir=model_dir, name=name, user=user, host=host, port=port, budget=budget, power_mode=power_mode,
+        jetson_clocks=jetson_clocks, platform=platform, cpu_quota=cpu_quota, api_key_file=api_key_file,
+        max_queue=max_queue, root=root, dry_run=dry_run, force=force, enable=enable,
+    )
+    install_service(cfg, log=click.echo)
+
+
+@cli.command("uninstall-service")
+@click.option("--name", default="qwen3-omni", show_default=True, help="Unit name given to install-service.")
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
+              help="The --root given to install-service.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
+def uninstall_service_cmd(name, root, dry_run):
+    """Remove exactly the files install-service recorded for NAME (disabling the unit when --root is /)."""
+    from .service_install import UninstallConfig, uninstall_service
+
+    uninstall_service(UninstallConfig(name=name, root=root, dry_run=dry_run), log=click.echo)
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="orin-omni")
 

@@ -69,7 +69,7 @@ class _Series:
         self.peak: float | None = None
         self.point: float | None = None
 
-    def add(self, joules: float, dt: float, p0: float, p1: float) -> None:
+    def add(self, joules: float, p0: float, p1: float, *, dt: float) -> None:
         self.joules += joules
         self.covered += dt
         self.peak = max(p0, p1) if self.peak is None else max(self.peak, p0, p1)
@@ -88,11 +88,23 @@ def _lerp(t0: float, v0: float, t1: float, v1: float, t: float) -> float:
     return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
 
 
+def _segment(a: PowerSample, b: PowerSample, x0: float, x1: float, w0: float, w1: float,
+             c0: float | None, c1: float | None) -> tuple[float, float, float]:
+    """Energy and the clipped end powers of one quantity between samples a and b, over [x0, x1] inside them.
+    Linear power gives the trapezoid; a counter present at both ends (same backend, not reset) gives its share
+    of the counted energy instead."""
+    p0, p1 = _lerp(a.t, w0, b.t, w1, x0), _lerp(a.t, w0, b.t, w1, x1)
+    if c0 is not None and c1 is not None and a.backend == b.backend and c1 >= c0:
+        return (c1 - c0) * (x1 - x0) / (b.t - a.t), p0, p1
+    return (p0 + p1) / 2 * (x1 - x0), p0, p1
+
+
 def integrate(samples: Sequence[PowerSample], start: float, end: float) -> tuple[Energy, dict[str, Energy]]:
     """Trapezoid integral of the total and of each rail over [start, end], samples sorted by time. Power
     between samples is linear, so a window shorter than the sampling period still gets the interpolated power
-    at its bounds. Where two consecutive samples of one backend carry an energy counter, the counter's
-    difference replaces the trapezoid for the total. Outside the first..last sample nothing is known."""
+    at its bounds. Where two consecutive samples of one backend carry an energy counter (total or rail), the
+    counter's difference replaces the trapezoid; peaks always come from the readings. Outside the first..last
+    sample nothing is known."""
     if end < start:
         raise ValueError(f"window ends before it starts ({start} > {end})")
     seconds = end - start
@@ -122,18 +134,11 @@ def integrate(samples: Sequence[PowerSample], start: float, end: float) -> tuple
             if b.t <= lo or a.t >= hi or b.t <= a.t:
                 continue
             x0, x1 = max(a.t, lo), min(b.t, hi)
-            dt = x1 - x0
-            p0 = _lerp(a.t, a.total_w, b.t, b.total_w, x0)
-            p1 = _lerp(a.t, a.total_w, b.t, b.total_w, x1)
-            joules = (p0 + p1) / 2 * dt
-            if (a.energy_j is not None and b.energy_j is not None and a.backend == b.backend
-                    and b.energy_j >= a.energy_j):
-                joules = (b.energy_j - a.energy_j) * dt / (b.t - a.t)
-            total.add(joules, dt, p0, p1)
+            total.add(*_segment(a, b, x0, x1, a.total_w, b.total_w, a.energy_j, b.energy_j), dt=x1 - x0)
             for rail in a.rails.keys() & b.rails.keys():
-                r0 = _lerp(a.t, a.rails[rail], b.t, b.rails[rail], x0)
-                r1 = _lerp(a.t, a.rails[rail], b.t, b.rails[rail], x1)
-                rails.setdefault(rail, _Series()).add((r0 + r1) / 2 * dt, dt, r0, r1)
+                rails.setdefault(rail, _Series()).add(
+                    *_segment(a, b, x0, x1, a.rails[rail], b.rails[rail], a.rail_energy_j.get(rail),
+                              b.rail_energy_j.get(rail)), dt=x1 - x0)
     rail_energy = {name: series.energy(seconds, inside) for name, series in sorted(rails.items())}
     return total.energy(seconds, inside), {k: v for k, v in rail_energy.items() if v.available}
 
@@ -171,6 +176,10 @@ class EnergyReport:
         return self.total.available
 
     @property
+    def complete(self) -> bool:
+        return self.total.complete
+
+    @property
     def note(self) -> str | None:
         if not self.total.available:
             return "power not measured: no power backend was reading during this window"
@@ -182,7 +191,7 @@ class EnergyReport:
     def to_json(self) -> dict:
         out = {
             "name": self.name, "backend": self.backend, "backends": list(self.backends),
-            "available": self.available, "complete": self.total.complete,
+            "available": self.available, "complete": self.complete,
             "joules": self.joules, "mean_w": self.mean_w, "peak_w": self.peak_w, "seconds": self.seconds,
             "covered_seconds": self.total.covered_seconds, "samples": self.total.samples,
             "rails": {name: e.to_json() for name, e in self.rails.items()},

@@ -19,6 +19,8 @@ next multiple of g, and the runtime feeds zero activations there. The unpadded l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from orin.errors import ModelError
@@ -140,13 +142,10 @@ def _group_size_from_g_idx(g_idx: torch.Tensor, K_pack: int, groups: int, name: 
     return g
 
 
-def unpack_gptq_v1(
-    tensors: dict[str, torch.Tensor], name: str = "layer"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """GPTQ v1 tensors -> (q_int uint8 [N, K_pad], zeros_int uint8 [G, N], scales fp16 [G, N], g).
+def gptq_v1_geometry(tensors: Mapping[str, torch.Tensor], name: str = "layer") -> tuple[int, int, int, int]:
+    """Validate one layer's GPTQ v1 tensors; return (K_pack, N, groups, g) with K_pack = qweight rows * 8.
 
-    ``K_pad = qweight.shape[0] * 8`` (for our padded checkpoints ``G * g``). ``name`` prefixes error messages
-    (pass the module path). Raises ModelError on missing keys, bad dtypes/shapes or a non-contiguous g_idx.
+    Raises ModelError on missing keys, wrong dtypes or shapes, or a non-contiguous (act-order) g_idx.
     """
     missing = [k for k in GPTQ_KEYS if k not in tensors]
     if missing:
@@ -170,14 +169,30 @@ def unpack_gptq_v1(
             f"scales {tuple(scales.shape)} (expected 4-bit, N multiple of 8)"
         )
     g = _group_size_from_g_idx(g_idx.reshape(-1), K_pack, groups, name)
-    q_int = _unpack_rows(qweight).t().contiguous()  # [N, K_pack]
+    return K_pack, N, groups, g
+
+
+def decode_qzeros_v1(qzeros: torch.Tensor) -> torch.Tensor:
+    """v1 packed zero points int32 [G, N/8] -> the real zero points uint8 [G, N] (word-wise +0x11111111)."""
     zero_words = _to_int32_words(qzeros.to(torch.int64) + V1_ZERO_OFFSET)
-    zeros_int = _unpack_rows(zero_words.t().contiguous()).t().contiguous()  # [G, N]
-    return q_int, zeros_int, scales, g
+    return _unpack_rows(zero_words.t().contiguous()).t().contiguous()
+
+
+def unpack_gptq_v1(
+    tensors: Mapping[str, torch.Tensor], name: str = "layer"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """GPTQ v1 tensors -> (q_int uint8 [N, K_pad], zeros_int uint8 [G, N], scales [G, N], g).
+
+    ``K_pad = qweight.shape[0] * 8`` (for our padded checkpoints ``G * g``). ``name`` prefixes error messages
+    (pass the module path). Raises ModelError on missing keys, bad dtypes/shapes or a non-contiguous g_idx.
+    """
+    g = gptq_v1_geometry(tensors, name)[3]
+    q_int = _unpack_rows(tensors["qweight"]).t().contiguous()  # [N, K_pack]
+    return q_int, decode_qzeros_v1(tensors["qzeros"]), tensors["scales"], g
 
 
 def dequantize_gptq_v1(
-    tensors: dict[str, torch.Tensor], in_features: int | None = None, name: str = "layer"
+    tensors: Mapping[str, torch.Tensor], in_features: int | None = None, name: str = "layer"
 ) -> torch.Tensor:
     """The float32 weight [N, K] of a GPTQ v1 layer (K = in_features when given, else K_pad)."""
     q_int, zeros_int, scales, g = unpack_gptq_v1(tensors, name)
@@ -258,8 +273,10 @@ def random_gptq_v1(
 __all__ = [
     "GPTQ_KEYS",
     "check_in_features",
+    "decode_qzeros_v1",
     "dequantize_gptq_v1",
     "gptq_v1_bytes",
+    "gptq_v1_geometry",
     "pack_gptq_v1",
     "pad_in_features",
     "quantize_rtn",

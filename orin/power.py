@@ -47,8 +47,6 @@ _AUTO_ORDER = ("jtop", "ina3221", "nvml", "none")
 Clock = Callable[[], float]
 
 
-
-
 @dataclass(frozen=True)
 class PowerConfig:
     backend: str = "auto"
@@ -90,9 +88,11 @@ def _open_first(chain: Sequence[PowerBackend], strict: bool) -> tuple[PowerBacke
     for i, backend in enumerate(chain):
         try:
             backend.open()
-        except PowerError as exc:
+        except Exception as exc:  # a third-party library may fail in its own way; the chain goes on
             if strict and i == 0:
-                raise
+                if isinstance(exc, PowerError):
+                    raise
+                raise PowerError(f"power backend {backend.name} failed to open: {exc}") from exc
             log.info("power backend %s unavailable: %s", backend.name, exc)
             continue
         return backend, i
@@ -108,11 +108,7 @@ def open_backend(preference: str = "auto", sysfs_root: str | os.PathLike = "/sys
     cfg = PowerConfig(backend=preference, sysfs_root=str(sysfs_root), jtop_socket=jtop_socket, nvml_index=nvml_index)
     if preference == "auto":
         return _open_first(backend_chain(cfg), strict=False)[0]
-    backend = make_backend(preference, cfg)
-    backend.open()
-    return backend
-
-
+    return _open_first([make_backend(preference, cfg)], strict=True)[0]
 
 
 @dataclass
@@ -288,7 +284,8 @@ class PowerMeter:
                 self._failures = 0
                 # Stamp the middle of the read: the value was taken somewhere inside it.
                 sample = PowerSample(t=(before + self._clock()) / 2, backend=backend.name, rails=dict(reading.rails),
-                                     total_w=float(reading.total_w), energy_j=reading.energy_j)
+                                     total_w=float(reading.total_w), energy_j=reading.energy_j,
+                                     rail_energy_j=dict(reading.rail_energy_j))
                 self._samples.append(sample)
                 if len(self._samples) > self._max_samples:
                     del self._samples[: len(self._samples) - self._max_samples]
@@ -399,8 +396,6 @@ def _report(window: _Window, samples: list[PowerSample], stages: list[_Window],
     # The backend reading at the window's end names the report; all of them are listed in `backends`.
     return EnergyReport(name=window.name, backend=backends[-1], backends=backends, total=total, rails=rails,
                         by_stage=by_stage)
-
-
 
 
 @dataclass(frozen=True)

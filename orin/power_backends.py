@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -23,16 +23,16 @@ _TOTAL_RAILS = ("VIN", "POM_5V_IN", "VDD_IN")
 _SHUNT_SUM_CHANNEL = 7
 
 
-
-
 @dataclass(frozen=True)
 class PowerReading:
-    """What a backend measured: watts per rail, the board total, and a cumulative energy counter in joules
-    where the hardware keeps one (NVML), which beats integrating samples."""
+    """What a backend measured: watts per rail and for the board, and cumulative energy counters in joules
+    (board and per rail) where the hardware keeps them (NVML): a counter sees every joule between two reads,
+    where integrating the readings sees only the reads."""
 
     rails: Mapping[str, float]
     total_w: float
     energy_j: float | None = None
+    rail_energy_j: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class PowerSample:
     rails: Mapping[str, float]
     total_w: float
     energy_j: float | None = None
+    rail_energy_j: Mapping[str, float] = field(default_factory=dict)
 
 
 class PowerBackend(Protocol):
@@ -64,8 +65,6 @@ def split_total(rails: Mapping[str, float]) -> tuple[dict[str, float], float]:
         if name in rails:
             return rails, rails.pop(name)
     return rails, float(sum(rails.values()))
-
-
 
 
 class NullBackend:
@@ -107,7 +106,7 @@ class JtopBackend:
         jetson = jtop(interval=self.interval)
         try:
             jetson.start()
-        except JtopException as exc:
+        except (JtopException, OSError) as exc:
             jetson.close()
             message = " ".join(str(exc.args[0] if exc.args else exc).split())
             raise PowerError(f"jtop: {message}; run: sudo systemctl start jtop") from exc
@@ -338,7 +337,8 @@ class NvmlBackend:
             energy = nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0 if self._has_energy else None
         except nvml.NVMLError as exc:
             raise PowerError(f"NVML read of GPU {self.index} failed ({exc})") from exc
-        return PowerReading(rails={self.rail: watts}, total_w=watts, energy_j=energy)
+        return PowerReading(rails={self.rail: watts}, total_w=watts, energy_j=energy,
+                            rail_energy_j={} if energy is None else {self.rail: energy})
 
     def close(self) -> None:
         if self._nvml is not None:

@@ -1,0 +1,90 @@
+"""One generation at a time on the GPU, a bounded first-come-first-served queue in front of it.
+
+A request that finds `max_queue` others already waiting is refused at once (HTTP 429) rather than piling up
+behind a GPU that serves one at a time. A waiting request leaves the queue when its client disconnects
+(its cancel event is set) or when the server stops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class QueueFull(Exception):
+    """max_queue requests are already waiting."""
+
+
+class Closed(Exception):
+    """The server is stopping; no new work starts."""
+
+
+class Abandoned(Exception):
+    """The client went away while waiting."""
+
+
+class Gate:
+    def __init__(self, max_queue: int, poll_s: float = 0.05):
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.max_queue = max_queue
+        self._poll_s = poll_s
+        self._cond = threading.Condition()
+        self._waiting: deque[int] = deque()
+        self._tickets = itertools.count()
+        self._busy = False
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._busy
+
+    def close(self) -> None:
+        """Refuse new entries and wake the waiting ones, which raise Closed. The running one finishes."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _leave_queue(self, ticket: int) -> None:
+        self._waiting.remove(ticket)
+        self._cond.notify_all()
+
+    @contextmanager
+    def turn(self, cancel: threading.Event | None = None) -> Iterator[None]:
+        """Hold the GPU for the body of the with-block."""
+        with self._cond:
+            if self._closed:
+                raise Closed()
+            if self._busy or self._waiting:
+                if len(self._waiting) >= self.max_queue:
+                    raise QueueFull()
+            ticket = next(self._tickets)
+            self._waiting.append(ticket)
+            while True:
+                if self._closed:
+                    self._leave_queue(ticket)
+                    raise Closed()
+                if cancel is not None and cancel.is_set():
+                    self._leave_queue(ticket)
+                    raise Abandoned()
+                if not self._busy and self._waiting[0] == ticket:
+                    break
+                # Polled, because a client's disconnect sets a plain Event that cannot wake this condition.
+                self._cond.wait(self._poll_s)
+            self._waiting.popleft()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()

@@ -1,0 +1,693 @@
+"""The inference engine: encoders -> thinker prefill and decode -> talker -> code predictor -> code2wav.
+
+The pipeline is driven here rather than through `Qwen3OmniMoeForConditionalGeneration.generate`, because the
+reference waits for the whole text before the talker starts (42 s to the first audio at real dimensions). The
+talker needs, at its step s, the thinker's generated token s+1 (or the knowledge that the text ended), so it
+runs one step behind the thinker and code2wav decodes the codec frames in chunks: the first audio packet comes
+after a handful of tokens. Under a memory budget the planner's schedule decides what is resident together;
+when the thinker and the talker side cannot be resident at once, speech follows the text instead (same
+tokens, same codes, same audio: the streaming is a schedule, not different math).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import components as C
+from .errors import InputError, ModelError, UsageError
+
+log = logging.getLogger("orin.engine")
+SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "auto"  # "cpu" | "cuda" | "auto"
+    budget: int | None = None
+    power_backend: str = "auto"
+    power_hz: float = 10.0
+    sysfs_root: str = "/sys"
+    verify_checksums: bool = True
+    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    prefetch: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    messages: tuple
+    max_new_tokens: int = 256
+    speech: bool = True
+    speaker: str = "ethan"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_audio_frames: int | None = None
+    talker_temperature: float = 0.0  # 0 = greedy; the HF reference samples at 0.9 with top_k 50
+    stream_speech: bool = True  # False: speak after the whole text, as the HF reference does
+    ignore_eos: bool = False  # fixed lengths, for benchmarks
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class AudioChunk:
+    samples: np.ndarray
+    index: int
+
+
+@dataclass
+class Done:
+    report: dict
+
+
+@dataclass
+class _Prompt:
+    inputs: dict
+    input_ids: object
+    n_audio_tokens: int
+    n_image_tokens: int
+    vision_patches: int
+    has_audio: bool
+    has_image: bool
+
+
+@dataclass
+class _Run:
+    """Per-request state and timings."""
+
+    req: GenerationRequest
+    cancel: threading.Event | None
+    t0: float = field(default_factory=time.perf_counter)
+    ttft: float | None = None
+    first_audio: float | None = None
+    decode_start: float | None = None
+    decode_end: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    frames: list = field(default_factory=list)
+    audio_samples: int = 0
+    talker_seconds: float = 0.0
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+class Cancelled(Exception):
+    """The client went away; the request stops at the next step."""
+
+
+def _pick_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name!r}: use cpu, cuda or auto")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        import torch
+
+        from .checkpoint import Checkpoint
+        from .loader import Loader
+        from .plan import size_model
+        from .power import PowerConfig, PowerMeter
+        from .tiny import build_processor
+
+        self.cfg = cfg
+        self.device = _pick_device(cfg.device)
+        if cfg.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = getattr(torch, cfg.dtype)
+        self.ckpt = Checkpoint.open(cfg.model_dir, verify=cfg.verify_checksums)
+        self.config = self.ckpt.config
+        self.loader = Loader(self.ckpt, self.device, self.dtype, cfg.budget)
+        self.model = self.loader.model
+        self.processor = build_processor(cfg.model_dir)
+        self.tokenizer = self.processor.tokenizer
+        spec = self.ckpt.manifest.quant_spec()
+        self.sizes = size_model(self.config, spec, self.ckpt.manifest.segment_split(),
+                                dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
+        self.model_name = self.ckpt.name
+        self.meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend, hz=cfg.power_hz,
+                                                        sysfs_root=cfg.sysfs_root)).start()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public API
+
+    def close(self) -> None:
+        self.meter.stop()
+        self.loader.close()
+
+    def memory(self) -> dict:
+        return {"resident_bytes": self.loader.resident_bytes(), "allocated_bytes": self.loader.memory.current(),
+                "budget": self.cfg.budget, "resident": list(self.loader.resident())}
+
+    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None):
+        text, chunks, report = "", [], {}
+        for event in self.stream(req, cancel):
+            if isinstance(event, TextDelta):
+                text += event.text
+            elif isinstance(event, AudioChunk):
+                chunks.append(event.samples)
+            elif isinstance(event, Done):
+                report = event.report
+        audio = np.concatenate(chunks) if chunks else (np.zeros(0, np.float32) if req.speech else None)
+        return text, audio, report
+
+    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator:
+        """Text deltas and audio chunks as they are produced, then Done with the request's report."""
+        import torch
+
+        self._validate(req)
+        with self._lock, torch.inference_mode():
+            run = _Run(req, cancel)
+            self.loader.swaps.clear()
+            self.loader.memory.reset_peak()
+            with self.meter.measure("request") as measurement:
+                prompt = self._prepare(req)
+                verdict = self._plan(req, prompt)
+                try:
+                    yield from self._pipeline(run, prompt, verdict)
+                except Cancelled:
+                    log.info("request cancelled by the client after %d tokens", len(run.tokens))
+            yield Done(self._report(run, prompt, verdict, measurement.report))
+
+    # ------------------------------------------------------------------ preparation
+
+    def _validate(self, req: GenerationRequest) -> None:
+        if req.max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        if req.speech:
+            speakers = self.config.talker_config.speaker_id or {}
+            if req.speaker.lower() not in speakers:
+                raise InputError(f"unknown voice {req.speaker!r}; voices: {', '.join(sorted(speakers))}")
+        if not req.messages:
+            raise InputError("messages is empty: give at least one user message")
+
+    def _prepare(self, req: GenerationRequest) -> _Prompt:
+        images, audios, messages = [], [], []
+        for msg in req.messages:
+            content = msg.get("content")
+            if isinstance(content, str):
+                messages.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
+                continue
+            parts = []
+            for part in content or []:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image":
+                    images.append(part["image"])
+                    parts.append({"type": "image"})
+                elif kind == "audio":
+                    audios.append(np.asarray(part["audio"], dtype=np.float32))
+                    parts.append({"type": "audio"})
+                else:
+                    raise InputError(f"unsupported content part type {kind!r}: use text, image or audio")
+            messages.append({"role": msg["role"], "content": parts})
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=[text], images=images or None, audio=audios or None, return_tensors="pt",
+                                padding=True)
+        ids = inputs["input_ids"]
+        th = self.config.thinker_config
+        return _Prompt(
+            inputs=dict(inputs), input_ids=ids,
+            n_audio_tokens=int((ids == th.audio_token_id).sum()), n_image_tokens=int((ids == th.image_token_id).sum()),
+            vision_patches=int(inputs["pixel_values"].shape[0]) if images else 0,
+            has_audio=bool(audios), has_image=bool(images),
+        )
+
+    def _needed(self, req: GenerationRequest, prompt: _Prompt) -> tuple[str, ...]:
+        need = {"thinker_text"}
+        if prompt.has_audio:
+            need.add("audio_encoder")
+        if prompt.has_image:
+            need.add("vision_encoder")
+        if req.speech:
+            need.update(C.SPEECH_COMPONENTS)
+        return tuple(c for c in C.PIPELINE if c in need)
+
+    def _plan(self, req: GenerationRequest, prompt: _Prompt):
+        from .plan import FRAMES_PER_TEXT_TOKEN, activation_bytes, decide, kv_bytes, require_fit
+
+        n = int(prompt.input_ids.shape[1])
+        frames = (req.max_audio_frames or req.max_new_tokens * FRAMES_PER_TEXT_TOKEN) if req.speech else 0
+        tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": 0, "prompt": n,
+                  "generated": req.max_new_tokens, "total": n + req.max_new_tokens, "talker_frames": frames,
+                  "vision_patches": prompt.vision_patches}
+        eb = self.loader.dtype.itemsize if hasattr(self.loader.dtype, "itemsize") else 2
+        kv = kv_bytes(tokens, self.sizes.dims, eb)
+        act = activation_bytes(tokens, self.sizes.dims, eb)
+        resident = {c: self.loader.memory.resident.get(c, s.runtime_int4_bytes) for c, s in self.sizes.components.items()}
+        budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62
+        verdict = decide(resident, kv, act, self._needed(req, prompt), budget)
+        require_fit(verdict)
+        self._kv, self._act, self._resident_est = kv, act, resident
+        return verdict
+
+    # ------------------------------------------------------------------ residency
+
+    def _stage(self, comps: tuple[str, ...], next_comps: tuple[str, ...] = ()) -> None:
+        """Make `comps` resident, evicting others when the budget needs it; then prefetch what comes next
+        if it fits beside them."""
+        need = [c for c in comps if not self.loader.is_resident(c)]
+        working = max([self._act.get(c, 0) for c in comps] or [0]) + sum(self._kv.get(c, 0) for c in comps)
+        incoming = sum(self._resident_est[c] for c in need)
+        self.loader.make_room(keep=comps, incoming=incoming, working=working)
+        for c in comps:
+            self.loader.ensure(c)
+        self.loader.memory.observe()
+        if self.cfg.prefetch and next_comps:
+            budget = self.cfg.budget
+            for c in next_comps:
+                if self.loader.is_resident(c):
+                    continue
+                if budget is None or self.loader.resident_bytes() + self._resident_est[c] + working <= budget:
+                    self.loader.prefetch(c)
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _pipeline(self, run: _Run, prompt: _Prompt, verdict) -> Iterator:
+        import torch
+
+        req = run.req
+        stages = [s.resident for s in verdict.schedule]
+        streaming = req.speech and req.stream_speech and verdict.streaming
+        think_comps = next(s for s in stages if "thinker_text" in s)
+        speak_after = [s for s in stages[stages.index(think_comps) + 1:]]
+        inputs = {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
+        thinker = self.model.thinker
+        encoders = tuple(c for c in ("audio_encoder", "vision_encoder") if c in verdict.needed)
+
+        audio_feats, image_out = None, None
+        if encoders:
+            self._stage(encoders, next_comps=think_comps)
+            with self.meter.stage("encode"):
+                if prompt.has_audio:
+                    audio_feats = thinker.model.get_audio_features(
+                        inputs["input_features"].to(self.dtype), inputs["feature_attention_mask"], return_dict=True,
+                    ).last_hidden_state
+                if prompt.has_image:
+                    image_out = thinker.model.get_image_features(
+                        inputs["pixel_values"].to(self.dtype), inputs["image_grid_thw"], return_dict=True)
+            self._check(run)
+        self._stage(think_comps, next_comps=speak_after[0] if speak_after else ())
+
+        gen = torch.Generator(device="cpu").manual_seed(req.seed)
+        ids = inputs["input_ids"]
+        with self.meter.stage("thinker_prefill"):
+            cache, hidden_states, logits = self._thinker_prefill(inputs, ids, audio_feats, image_out, req.speech)
+        token = self._sample(logits, req.temperature, req.top_p, gen)
+        run.ttft = time.perf_counter() - run.t0
+        run.decode_start = time.perf_counter()
+        eos = self.config.im_end_token_id
+        talker = None
+        if req.speech:
+            thinker_embed = hidden_states[0]
+            thinker_hidden = hidden_states[self.config.talker_config.accept_hidden_layer]
+            talker_ctx = (ids, inputs, thinker_embed, thinker_hidden)
+        vocoder = _Vocoder(self, run) if req.speech else None
+        detok = _Detokenizer(self.tokenizer)
+        finished = False
+        while True:
+            run.tokens.append(token)
+            delta = detok.push(token)
+            if delta:
+                yield TextDelta(delta, [token])
+            done = (token == eos and not req.ignore_eos) or len(run.tokens) >= req.max_new_tokens
+            if streaming:
+                if talker is None:
+                    talker = self._start_talker(run, talker_ctx, streaming=True)
+                yield from self._advance_talker(run, talker, vocoder, thinker_done=done)
+            self._check(run)
+            if done:
+                finished = True
+                break
+            with self.meter.stage("thinker_decode"):
+                logits = self._thinker_step(token, cache)
+            token = self._sample(logits, req.temperature, req.top_p, gen)
+        run.decode_end = time.perf_counter()
+        tail = detok.flush()
+        if tail:
+            yield TextDelta(tail, [])
+        del cache
+        if req.speech and finished:
+            if talker is None:
+                one_at_a_time = len(speak_after) > 1
+                self._stage(("talker", "code_predictor") if one_at_a_time else C.SPEECH_COMPONENTS,
+                            next_comps=("code2wav",) if one_at_a_time else ())
+                talker = self._start_talker(run, talker_ctx, streaming=False)
+                if one_at_a_time:
+                    # One component at a time: collect every frame first, then vocode.
+                    yield from self._advance_talker(run, talker, None, thinker_done=True, until_end=True)
+                    self._stage(("code2wav",))
+                    yield from vocoder.feed(run.frames, final=True)
+                    return
+            yield from self._advance_talker(run, talker, vocoder, thinker_done=True, until_end=True)
+            yield from vocoder.feed([], final=True)
+
+    def _check(self, run: _Run) -> None:
+        self.loader.memory.observe()
+        if run.cancelled():
+            raise Cancelled()
+
+    # ------------------------------------------------------------------ thinker
+
+    def _thinker_prefill(self, inputs, ids, audio_feats, image_out, want_hidden: bool):
+        from transformers import DynamicCache
+
+        thinker = self.model.thinker
+        embeds = thinker.model.get_input_embeddings()(ids)
+        if audio_feats is not None:
+            _, _, audio_mask = thinker.model.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(audio_mask, audio_feats.to(embeds.dtype))
+        cache = DynamicCache(config=self.config.thinker_config.text_config)
+        kwargs = {}
+        if image_out is not None:
+            kwargs["mm_encoder_outputs"] = {"image": image_out}
+            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+        out = thinker.model(
+            input_ids=ids, inputs_embeds=embeds, attention_mask=inputs["attention_mask"],
+            feature_attention_mask=inputs.get("feature_attention_mask"), past_key_values=cache, use_cache=True,
+            output_hidden_states=want_hidden, **kwargs,
+        )
+        self._track_kv(cache)
+        logits = thinker.lm_head(out.last_hidden_state[:, -1:])
+        return cache, out.hidden_states, logits[:, -1]
+
+    def _thinker_step(self, token: int, cache):
+        import torch
+
+        thinker = self.model.thinker
+        tok = torch.tensor([[token]], device=self.device)
+        embeds = thinker.model.get_input_embeddings()(tok)
+        out = thinker.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+        self._track_kv(cache)
+        return thinker.lm_head(out.last_hidden_state)[:, -1]
+
+    def _track_kv(self, *caches) -> None:
+        total = 0
+        for cache in caches:
+            if cache is None:
+                continue
+            for layer in getattr(cache, "layers", []):
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    if t is not None and hasattr(t, "numel"):
+                        total += t.numel() * t.element_size()
+        self.loader.memory.dynamic = total
+        self.loader.memory.observe()
+
+    @staticmethod
+    def _sample(logits, temperature: float, top_p: float, gen) -> int:
+        import torch
+
+        if temperature <= 0:
+            return int(torch.argmax(logits, dim=-1)[0])
+        probs = torch.softmax(logits.float() / temperature, dim=-1)[0].cpu()
+        if top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+    # ------------------------------------------------------------------ talker
+
+    def _start_talker(self, run: _Run, ctx, streaming: bool) -> _Talker:
+        ids, inputs, thinker_embed, thinker_hidden = ctx
+        talker = _Talker(self, run, ids, inputs, thinker_embed, thinker_hidden)
+        with self.meter.stage("talker"):
+            talker.prefill()
+        return talker
+
+    def _advance_talker(self, run: _Run, talker: _Talker, vocoder, thinker_done: bool, until_end: bool = False):
+        """Run talker steps whose text input is known: step s needs generated token s+1, or the end of text."""
+        while not talker.finished:
+            s = talker.step_index
+            n = len(run.tokens)
+            if s + 1 < n:
+                text = ("token", run.tokens[s + 1])
+            elif thinker_done and s == n - 1:
+                text = ("eos", None)
+            elif thinker_done:
+                text = ("pad", None)
+            else:
+                return
+            start = time.perf_counter()
+            with self.meter.stage("talker"):
+                frame = talker.step(text)
+            run.talker_seconds += time.perf_counter() - start
+            self._check(run)
+            if frame is not None:
+                run.frames.append(frame)
+                if vocoder is not None:
+                    yield from vocoder.feed([frame], final=False)
+            if not until_end and not thinker_done and talker.step_index + 1 >= len(run.tokens):
+                return
+
+    # ------------------------------------------------------------------ report
+
+    def _report(self, run: _Run, prompt: _Prompt, verdict, energy) -> dict:
+        decode_tokens = max(0, len(run.tokens) - 1)
+        decode_s = (run.decode_end or time.perf_counter()) - (run.decode_start or run.t0)
+        text = self.tokenizer.decode(run.tokens, skip_special_tokens=True)
+        return {
+            "text": text,
+            "prompt_tokens": int(prompt.input_ids.shape[1]),
+            "completion_tokens": len(run.tokens),
+            "token_ids": list(run.tokens),
+            "ttft_s": run.ttft,
+            "first_audio_s": run.first_audio,
+            "tokens_per_s": (decode_tokens / decode_s) if decode_tokens and decode_s > 0 else None,
+            "total_s": time.perf_counter() - run.t0,
+            "talker_frames": len(run.frames),
+            "talker_s": run.talker_seconds,
+            "audio_seconds": run.audio_samples / SAMPLE_RATE,
+            "peak_bytes": self.loader.memory.peak,
+            "budget_bytes": self.cfg.budget,
+            "device": str(self.device),
+            "schedule": [s.to_json() for s in verdict.schedule],
+            "streaming_speech": bool(run.req.speech and run.req.stream_speech and verdict.streaming),
+            "swaps": [s.to_json() for s in self.loader.swaps],
+            "resident_after": list(self.loader.resident()),
+            "energy": energy.to_json(),
+            "cancelled": run.cancelled(),
+        }
+
+
+class _Talker:
+    """The talker and its code predictor, one codec frame per step, fed the thinker's text step by step.
+    Input construction follows Qwen3OmniMoeForConditionalGeneration.generate for a single sequence."""
+
+    def __init__(self, engine: Engine, run: _Run, ids, inputs, thinker_embed, thinker_hidden):
+        self.e = engine
+        self.run = run
+        self.ids = ids
+        self.inputs = inputs
+        self.thinker_embed = thinker_embed
+        self.thinker_hidden = thinker_hidden
+        self.step_index = 0
+        self.finished = False
+        self.generated: list[int] = []
+        self.cache = None
+        self.next_code = None
+        self.past_hidden = None
+        self.gen = None
+
+    def _proj(self, embeds):
+        return self.e.model.talker.text_projection(embeds)
+
+    def _thinker_embed_of(self, token: int):
+        import torch
+
+        tok = torch.tensor([[token]], device=self.e.device)
+        return self.e.model.thinker.model.get_input_embeddings()(tok)
+
+    def prefill(self) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        model, cfg = self.e.model, self.e.config
+        ids = self.ids
+        tk = cfg.talker_config
+        self.gen = torch.Generator(device="cpu").manual_seed(self.run.req.seed + 1)
+        seq_len = ids.shape[1]
+        th = cfg.thinker_config
+        mm_mask = (ids == th.audio_token_id) | (ids == th.image_token_id) | (ids == th.video_token_id)
+        positions = torch.arange(seq_len, device=ids.device).unsqueeze(0)
+        im_start = torch.where(ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
+        prev = torch.cummax(im_start, dim=-1).values.clamp_min(0)
+        roles = ids.gather(1, (prev + 1).clamp_max(seq_len - 1))
+        user_mask = roles == cfg.user_token_id
+        user_idx = torch.nonzero(user_mask[0]).flatten()
+        full_user = model._get_talker_user_parts(0, seq_len, mm_mask, self.thinker_hidden, self.thinker_embed)
+        user_embeds = full_user[:, user_idx]
+        user_ids = ids[:, user_idx]
+        starts = torch.nonzero((ids[0, :-1] == cfg.im_start_token_id) & (ids[0, 1:] == cfg.assistant_token_id))
+        if len(starts) == 0:
+            raise ModelError("the prompt has no assistant turn; the chat template must add the generation prompt")
+        a_start = int(starts.flatten()[-1])
+        specials = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]],
+                                device=ids.device)
+        bos, eos, pad = self._proj(model.thinker.get_input_embeddings()(specials)).chunk(3, dim=1)
+        self.tts_eos, self.tts_pad = eos, pad
+        first = self._thinker_embed_of(self.run.tokens[0])
+        embed_all = torch.cat([self.thinker_embed, first], dim=1)
+        speaker_id = tk.speaker_id[self.run.req.speaker.lower()]
+        a_embeds, a_ids, _ = model._get_talker_assistant_parts(a_start, seq_len + 1, speaker_id, embed_all,
+                                                               pad, bos, eos)
+        embeds = torch.cat([user_embeds, a_embeds], dim=1)
+        talker_ids = torch.cat([user_ids, a_ids], dim=1)
+        mask = torch.ones_like(talker_ids)
+        kwargs = {}
+        if "image_grid_thw" in self.inputs:
+            kwargs["image_grid_thw"] = self.inputs["image_grid_thw"]
+        if "feature_attention_mask" in self.inputs:
+            kwargs["audio_feature_lengths"] = self.inputs["feature_attention_mask"].sum(dim=1)
+        self.cache = DynamicCache(config=tk.text_config)
+        model.talker.rope_deltas = None
+        out = model.talker(inputs_embeds=embeds, talker_input_ids=talker_ids, attention_mask=mask,
+                           past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kwargs)
+        self._after_forward(out)
+
+    def _after_forward(self, out) -> None:
+        self.past_hidden = out.hidden_states[0][-1][:, -1:]
+        code = self._choose(out.logits[:, -1])
+        self.generated.append(code)
+        max_frames = self.run.req.max_audio_frames or (self.run.req.max_new_tokens * 8 + 32)
+        eos = self.e.config.talker_config.codec_eos_token_id
+        if code == eos or len(self.generated) > max_frames:
+            self.finished = True
+        self.next_code = code
+        self.e._track_kv(self.cache)
+
+    def _choose(self, logits) -> int:
+        import torch
+
+        tk = self.e.config.talker_config
+        vocab = tk.text_config.vocab_size
+        logits = logits.float().clone()
+        if self.generated:
+            prev = torch.tensor(sorted(set(self.generated)), device=logits.device)
+            score = logits[:, prev]
+            logits[:, prev] = torch.where(score < 0, score * 1.05, score / 1.05)
+        suppress = torch.arange(vocab - 1024, vocab, device=logits.device)
+        suppress = suppress[suppress != tk.codec_eos_token_id]
+        logits[:, suppress] = -float("inf")
+        temp = self.run.req.talker_temperature
+        if temp <= 0:
+            return int(torch.argmax(logits, dim=-1)[0])
+        logits = logits / temp
+        kth = torch.topk(logits, 50, dim=-1).values[:, -1:]
+        logits[logits < kth] = -float("inf")
+        probs = torch.softmax(logits, dim=-1)[0].cpu()
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def step(self, text) -> object:
+        """One codec frame: the code predictor fills the residual groups of the frame whose first code the
+        talker chose, then the talker reads that frame plus the next text position."""
+        import torch
+
+        model = self.e.model
+        tk = self.e.config.talker_config
+        code = torch.tensor([[self.next_code]], device=self.e.device)
+        last_id_hidden = model.talker.get_input_embeddings()(code)
+        cp = model.talker.code_predictor
+        cp_kwargs = {"do_sample": self.run.req.talker_temperature > 0}
+        if cp_kwargs["do_sample"]:
+            cp_kwargs.update(top_k=50, top_p=0.8)
+        pred = cp.generate(inputs_embeds=torch.cat((self.past_hidden, last_id_hidden), dim=1),
+                           max_new_tokens=tk.num_code_groups - 1, output_hidden_states=True,
+                           return_dict_in_generate=True, **cp_kwargs)
+        frame = torch.cat((code, pred.sequences.to(code.device)), dim=-1)[0]
+        mid = [h[0] for h in pred.hidden_states[1:]]
+        last = cp.get_input_embeddings()[-1](pred.sequences[..., -1:])
+        embeds = torch.cat([last_id_hidden] + mid + [last], dim=1).sum(1, keepdim=True)
+        kind, token = text
+        if kind == "token":
+            embeds = embeds + self._proj(self._thinker_embed_of(token))
+        elif kind == "eos":
+            embeds = embeds + self.tts_eos
+        else:
+            embeds = embeds + self.tts_pad
+        out = model.talker(inputs_embeds=embeds, past_key_values=self.cache, use_cache=True,
+                           output_hidden_states=True, generation_step=self.step_index)
+        self.step_index += 1
+        self._after_forward(out)
+        return frame.cpu()
+
+
+class _Vocoder:
+    """code2wav in chunks with left context, so audio streams as frames arrive. The chunk schedule is fixed
+    (not driven by timing), so a streamed request and a non-streamed one produce the same samples."""
+
+    def __init__(self, engine: Engine, run: _Run):
+        self.e = engine
+        self.run = run
+        self.frames: list = []
+        self.done = 0
+        self.index = 0
+
+    def feed(self, frames, final: bool):
+        import torch
+
+        self.frames.extend(frames)
+        while True:
+            want = C.CODE2WAV_FIRST_CHUNK if self.done == 0 else C.CODE2WAV_CHUNK
+            available = len(self.frames) - self.done
+            if available <= 0 or (available < want and not final):
+                return
+            end = self.done + min(want, available)
+            ctx = min(C.CODE2WAV_LEFT_CONTEXT, self.done)
+            if "code2wav" not in self.e.loader.memory.resident:
+                self.e._stage(("code2wav",))
+            codes = torch.stack(self.frames[self.done - ctx:end], dim=1).unsqueeze(0).to(self.e.device)
+            c2w = self.e.model.code2wav
+            with self.e.meter.stage("code2wav"):
+                wav = c2w(codes)[..., ctx * int(c2w.total_upsample):]
+            samples = wav.reshape(-1).float().cpu().numpy()
+            self.done = end
+            if self.run.first_audio is None:
+                self.run.first_audio = time.perf_counter() - self.run.t0
+            self.run.audio_samples += samples.size
+            yield AudioChunk(samples, self.index)
+            self.index += 1
+
+
+class _Detokenizer:
+    """Incremental detokenization that never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        # Trailing replacement characters may be the start of a multi-byte character: hold them back.
+        text = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text if text.startswith(self.sent) else self.sent
+        return delta
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text
+        return delta
+

@@ -1,0 +1,551 @@
+"""INT4 runtime modules on torch's own tinygemm kernels (no GPTQ library on the device).
+
+Kernels and the constraints found in torch 2.13 (CPU) / the CUDA source of ``int4mm.cu``:
+
+- CUDA: ``aten._weight_int4pack_mm(x, w, group, scales_and_zeros)``: x bfloat16 only, contiguous [M, K];
+  ``w`` from ``aten._convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles)`` where byte ``[n, j]`` holds
+  ``q[n, 2j] << 4 | q[n, 2j+1]``; inner_k_tiles in {2, 4, 8} and K % (16 * inner_k_tiles) == 0; N % 8 == 0;
+  needs sm80+ (the Orin is sm87). scales_and_zeros bfloat16.
+- CPU: ``aten._weight_int4pack_mm_for_cpu`` with ``aten._convert_weight_to_int4pack_for_cpu(int32 [N, K], 1)``
+  -> uint8 [N, K/2] in a layout blocked by N (64-row blocks when N % 64 == 0); x bf16, fp16 or fp32 (contiguous),
+  scales_and_zeros in the same dtype as x; N % 16 == 0, K % 2 == 0, K % group == 0.
+- Both: group in {32, 64, 128, 256}; ``scales_and_zeros`` [K/group, N, 2]; the kernel dequantizes
+  ``w = (q - 8) * scale + zero``, so a GPTQ zero point z becomes ``zero = scale * (8 - z)``.
+
+So at load time a GPTQ layer (see orin.gptq_format) is turned into: codes padded to K_run = groups * g (zero
+activations feed the padding) and N_pad = N rounded up to 16 (extra outputs sliced off), a kernel group that
+divides g (scales repeated when g > 256), and the device's packed layout. The packed layout differs between CPU
+and CUDA: a module loaded for one cannot run on the other (``forward`` says so instead of computing garbage).
+
+The loader's protocol (the model skeleton is built on the meta device):
+
+1. ``convert_for_runtime(model, paths)`` swaps each quantized ``nn.Linear`` / fused experts module for an empty
+   ``Int4Linear`` / ``Int4Experts`` shell; shells hold no tensors at all.
+2. For each shell, ``load_int4_module(module, tensors, device, dtype)`` where ``tensors`` maps the checkpoint keys
+   *relative to the module path* (``int4_tensor_keys(module)`` lists them: ``qweight``... for a Linear,
+   ``{e}.gate_proj.qweight``... for experts) to tensors. ``tensors`` may be a lazy Mapping over ``safe_open``:
+   experts read one expert at a time, so the transient memory is one expert's (one layer's for a Linear), and the
+   result is written straight into its final buffer on ``device``. Passing tensors already on ``device`` makes the
+   unpacking run there (fastest on the GPU).
+3. To swap a segment out, ``unload_int4_module(module)`` drops the buffers (or ``module.to(...)`` moves them;
+   they run again once back on the device type they were packed for).
+
+Buffers are non-persistent: ``state_dict()`` never mixes kernel layouts with checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orin.errors import ModelError
+from orin.gptq_format import GPTQ_KEYS, check_in_features, decode_qzeros_v1, gptq_v1_geometry
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+N_ALIGN = 16
+# Rows converted at once on CPU, bounding the int32 [rows, K] transient; a multiple of the CPU kernel's 64-row block.
+CPU_CONVERT_CHUNK_ROWS = 4096
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def kernel_group_size(g: int) -> int:
+    """The largest kernel group size dividing the checkpoint's group size g (scales repeat g/kg times)."""
+    for kg in KERNEL_GROUP_SIZES:
+        if g % kg == 0:
+            return kg
+    raise ModelError(f"group size {g} is not a multiple of 32; the INT4 kernels need 32, 64, 128 or 256 — re-quantize")
+
+
+def _layout_for(device: torch.device) -> str:
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"INT4 modules run on cpu or cuda, not {device}")
+    return device.type
+
+
+def _compute_dtype(layout: str, dtype: torch.dtype) -> torch.dtype:
+    if layout == "cuda":
+        return torch.bfloat16  # the CUDA tinygemm kernel takes bf16 activations only
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"INT4 modules compute in bf16, fp16 or fp32, not {dtype}")
+    return dtype
+
+
+def _inner_k_tiles(K: int) -> int:
+    for tiles in (8, 4, 2):
+        if K % (16 * tiles) == 0:
+            return tiles
+    raise ModelError(f"padded in_features {K} is not a multiple of 32")
+
+
+def _cuda_codes_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K/8, N] -> uint8 [N, K/2] with byte [n, j] = q[n,2j] << 4 | q[n,2j+1] (CUDA's input).
+
+    A little-endian int32 word's byte b holds codes 2b (low nibble) and 2b+1 (high): a nibble swap suffices,
+    with 0.5 byte per weight of transient memory.
+    """
+    b = qweight.t().contiguous().view(torch.uint8)
+    return ((b & 0x0F) << 4) | (b >> 4)
+
+
+def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 8, 1)
+    N = qweight.shape[1]
+    step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
+    parts = []
+    for n0 in range(0, N, step):
+        words = qweight[:, n0 : n0 + step]
+        codes = ((words.unsqueeze(1) >> shifts) & 0xF).reshape(-1, words.shape[1]).t().contiguous()
+        parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        del codes
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _KernelWeight:
+    """One layer in kernel form: packed weight, scales_and_zeros, kernel group, K_run and N_pad."""
+
+    def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int, group: int, K_run: int, N: int):
+        self.weight = weight
+        self.scales_and_zeros = scales_and_zeros
+        self.kernel_group = kernel_group
+        self.group = group
+        self.K_run = K_run
+        self.N = N
+        self.N_pad = scales_and_zeros.shape[1]
+
+
+def _to_kernel(
+    tensors: Mapping[str, torch.Tensor], in_features: int, device: torch.device, dtype: torch.dtype, name: str
+) -> _KernelWeight:
+    """GPTQ v1 tensors of one layer -> kernel form on ``device`` (transient: the layer's codes, on ``device``)."""
+    layout = _layout_for(device)
+    gptq = {k: tensors[k].to(device) for k in GPTQ_KEYS if k in tensors}
+    K_pack, N, groups, g = gptq_v1_geometry(gptq, name)
+    check_in_features(K_pack, g, in_features, name)
+    qweight, scales, zeros_int = gptq["qweight"], gptq["scales"], decode_qzeros_v1(gptq["qzeros"])
+    K_run = groups * g
+    N_pad = -(-N // N_ALIGN) * N_ALIGN
+    kg = kernel_group_size(g)
+    # Padded input rows hold code 0 (their activations are zero); padded outputs have scale 0 and are sliced off.
+    qweight = F.pad(qweight, (0, N_pad - N, 0, (K_run - K_pack) // 8))
+    if layout == "cuda":
+        weight = torch.ops.aten._convert_weight_to_int4pack(_cuda_codes_bytes(qweight), _inner_k_tiles(K_run))
+    else:
+        weight = _convert_cpu(qweight)
+    del qweight
+    s = F.pad(scales.float(), (0, N_pad - N))
+    z = F.pad(zeros_int.float(), (0, N_pad - N), value=8.0)
+    sz = torch.stack([s, s * (8.0 - z)], dim=-1)
+    if g != kg:
+        sz = sz.repeat_interleave(g // kg, dim=0)
+    sz = sz.to(_compute_dtype(layout, dtype)).contiguous()
+    return _KernelWeight(weight, sz, kg, g, K_run, N)
+
+
+def _int4_mm(x2: torch.Tensor, weight: torch.Tensor, kernel_group: int, sz: torch.Tensor) -> torch.Tensor:
+    if x2.is_cuda:
+        return torch.ops.aten._weight_int4pack_mm(x2, weight, kernel_group, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, kernel_group, sz)
+
+
+def _check_device(module: nn.Module, tensor: torch.Tensor | None, layout: str | None, what: str) -> None:
+    if tensor is None:
+        raise RuntimeError(f"{what} is not loaded: call load_int4_module() on it first")
+    if tensor.device.type != layout:
+        raise RuntimeError(
+            f"{what} was packed for {layout} but its buffers are on {tensor.device}; the packed layouts differ, "
+            f"reload it with load_int4_module(..., device='{tensor.device.type}')"
+        )
+
+
+def int4_linear_runtime_bytes(K: int, N: int, g: int, *, bias: bool, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Device bytes one loaded Int4Linear holds (padded layout: K_run = K rounded up to g), for the planner."""
+    K_run = -(-K // g) * g
+    N_pad = -(-N // N_ALIGN) * N_ALIGN
+    item = torch.empty((), dtype=dtype).element_size()
+    total = N_pad * K_run // 2 + (K_run // kernel_group_size(g)) * N_pad * 2 * item
+    return total + (N * item if bias else 0)
+
+
+def int4_experts_runtime_bytes(num_experts: int, hidden: int, intermediate: int, g: int, *, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Device bytes one loaded Int4Experts holds (fused gate+up [2I x H] and down [H x I] per expert)."""
+    per_expert = int4_linear_runtime_bytes(hidden, 2 * intermediate, g, bias=False, dtype=dtype)
+    per_expert += int4_linear_runtime_bytes(intermediate, hidden, g, bias=False, dtype=dtype)
+    return num_experts * per_expert
+
+
+class Int4Linear(nn.Module):
+    """A GPTQ INT4 ``nn.Linear`` replacement: ``y = x @ W.T + b`` with W dequantized inside the kernel.
+
+    Built empty (no tensors) by ``convert_for_runtime`` or ``Int4Linear(in, out, bias=...)``; filled by
+    ``load_gptq_``. ``forward`` takes any leading dims, casts x to the compute dtype (bf16 on CUDA) and the
+    result back to x's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.group_size: int | None = None
+        self.kernel_group_size: int | None = None
+        self.padded_in_features: int | None = None
+        self.padded_out_features: int | None = None
+        self.layout: str | None = None
+        self.compute_dtype: torch.dtype | None = None
+        self.register_buffer("weight_packed", None, persistent=False)
+        self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.weight_packed is not None
+
+    def tensor_keys(self) -> list[str]:
+        """Checkpoint keys, relative to this module's path, that ``load_gptq_`` reads."""
+        return list(GPTQ_KEYS) + (["bias"] if self.has_bias else [])
+
+    @torch.no_grad()
+    def load_gptq_(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str = "layer",
+    ) -> Int4Linear:
+        """Fill this module from the GPTQ v1 tensors of one layer (``name`` is its path, for error messages)."""
+        device = torch.device(device)
+        kw = _to_kernel(tensors, self.in_features, device, dtype, name)
+        if kw.N != self.out_features:
+            raise ModelError(f"{name}: checkpoint has {kw.N} outputs, the model's Linear {self.out_features}; it does not match this model")
+        self.weight_packed = kw.weight
+        self.scales_and_zeros = kw.scales_and_zeros
+        self.group_size, self.kernel_group_size = kw.group, kw.kernel_group
+        self.padded_in_features, self.padded_out_features = kw.K_run, kw.N_pad
+        self.layout = device.type
+        self.compute_dtype = kw.scales_and_zeros.dtype
+        if self.has_bias:
+            if "bias" not in tensors:
+                raise ModelError(f"{name}.bias missing from the checkpoint; re-run orin-omni quantize")
+            self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype)
+        return self
+
+    def unload_(self) -> None:
+        """Drop the packed buffers (the module becomes an empty shell again)."""
+        self.weight_packed = self.scales_and_zeros = self.bias = None
+
+    @classmethod
+    def from_gptq(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        in_features: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str = "layer",
+    ) -> Int4Linear:
+        module = cls(in_features, tensors["qweight"].shape[1], bias="bias" in tensors)
+        return module.load_gptq_(tensors, device, dtype, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_device(self, self.weight_packed, self.layout, "Int4Linear")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.compute_dtype:
+            x2 = x2.to(self.compute_dtype)
+        if self.padded_in_features > self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+        y = _int4_mm(x2.contiguous(), self.weight_packed, self.kernel_group_size, self.scales_and_zeros)
+        if self.padded_out_features > self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    @torch.no_grad()
+    def dequantized_weight(self, chunk: int = 512) -> torch.Tensor:
+        """The float32 weight [out, in] the kernel actually uses, read back by multiplying identity blocks."""
+        _check_device(self, self.weight_packed, self.layout, "Int4Linear")
+        K, dev = self.padded_in_features, self.weight_packed.device
+        cols = []
+        for k0 in range(0, self.in_features, chunk):
+            k1 = min(k0 + chunk, self.in_features)
+            eye = torch.zeros(k1 - k0, K, dtype=self.compute_dtype, device=dev)
+            rows = torch.arange(k1 - k0, device=dev)
+            eye[rows, rows + k0] = 1
+            cols.append(_int4_mm(eye, self.weight_packed, self.kernel_group_size, self.scales_and_zeros).float())
+        return torch.cat(cols)[:, : self.out_features].t().contiguous()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
+            f"group_size={self.group_size}, loaded={self.is_loaded}, layout={self.layout}"
+        )
+
+
+def _expert_tensors(source, e: int, proj: str, prefix: str) -> Mapping[str, torch.Tensor]:
+    if isinstance(source, Sequence):
+        return source[e][proj]
+    return _Prefixed(source, f"{prefix}{e}.{proj}.")
+
+
+class _Prefixed(Mapping):
+    """A read-only view of ``source`` keyed without ``prefix``; lookups stay lazy (one tensor at a time)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._source, self._prefix = source, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._source[self._prefix + key]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and (self._prefix + key) in self._source
+
+    def __iter__(self):
+        n = len(self._prefix)
+        return (k[n:] for k in self._source if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _fuse_gate_up(gate: Mapping[str, torch.Tensor], up: Mapping[str, torch.Tensor], device: torch.device, name: str) -> dict:
+    """One GPTQ layer [K=H, N=2I] from gate_proj and up_proj (gate outputs first, as HF's gate_up_proj)."""
+    fused = {}
+    for key in GPTQ_KEYS:
+        if key not in gate or key not in up:
+            raise ModelError(f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize")
+        a, b = gate[key].to(device), up[key].to(device)
+        fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
+    if not torch.equal(gate["g_idx"].to(device), up["g_idx"].to(device)):
+        raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
+    return fused
+
+
+class Int4Experts(nn.Module):
+    """INT4 replacement of HF's fused experts (Qwen3OmniMoe{Thinker,Talker}TextExperts).
+
+    Same call as the module it replaces: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
+    -> [T, H]``, same math (``down(act(gate(x)) * up(x)) * weight`` summed over the chosen experts; an index equal to
+    ``num_experts`` is skipped like HF). Only the experts the router picked run; tokens are grouped per expert with
+    one sort and one host sync (the per-expert token counts). Per expert, gate and up are one fused matmul.
+    """
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.act_fn = act_fn
+        self.layout: str | None = None
+        self.compute_dtype: torch.dtype | None = None
+        self.group_size: int | None = None
+        self._geom: dict[str, tuple[int, int, int]] = {}  # proj -> (kernel group, K_run, N_pad)
+        for buf in ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros"):
+            self.register_buffer(buf, None, persistent=False)
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.down_packed is not None
+
+    def tensor_keys(self) -> list[str]:
+        """Checkpoint keys, relative to this module's path (GPTQModel's defused layout ``{e}.gate_proj.qweight``)."""
+        return [f"{e}.{p}.{k}" for e in range(self.num_experts) for p in EXPERT_PROJS for k in GPTQ_KEYS]
+
+    @torch.no_grad()
+    def load_gptq_(
+        self,
+        source: Sequence[Mapping[str, Mapping[str, torch.Tensor]]] | Mapping[str, torch.Tensor],
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str = "experts",
+        prefix: str = "",
+    ) -> Int4Experts:
+        """Fill from per-expert GPTQ tensors: ``source[e]['gate_proj'|'up_proj'|'down_proj'] -> {qweight, ...}``,
+        or a flat mapping with keys ``f"{prefix}{e}.gate_proj.qweight"`` (lazy mappings are read one expert at a
+        time; each expert is converted on ``device`` and copied into its slot of the stacked buffers)."""
+        device = torch.device(device)
+        E = self.num_experts
+        if isinstance(source, Sequence) and len(source) != E:
+            raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
+        stacks: dict[str, list[torch.Tensor]] = {}
+        for e in range(E):
+            ename = f"{name}.{e}"
+            parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
+            for p in EXPERT_PROJS:
+                if "qweight" not in parts[p]:
+                    raise ModelError(f"{ename}.{p}.qweight missing from the checkpoint; re-run orin-omni quantize")
+            gate_up = _to_kernel(_fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, ename), self.hidden_dim, device, dtype, f"{ename}.gate_up")
+            down = _to_kernel(parts["down_proj"], self.intermediate_dim, device, dtype, f"{ename}.down_proj")
+            if gate_up.N != 2 * self.intermediate_dim or down.N != self.hidden_dim:
+                raise ModelError(f"{ename}: expert output sizes in the checkpoint do not match the model's (H={self.hidden_dim}, I={self.intermediate_dim})")
+            for key, kw in (("gate_up", gate_up), ("down", down)):
+                geom = (kw.kernel_group, kw.K_run, kw.N_pad)
+                if e == 0:
+                    self._geom[key] = geom
+                    stacks[f"{key}_packed"] = torch.empty((E, *kw.weight.shape), dtype=kw.weight.dtype, device=device)
+                    stacks[f"{key}_scales_and_zeros"] = torch.empty((E, *kw.scales_and_zeros.shape), dtype=kw.scales_and_zeros.dtype, device=device)
+                elif self._geom[key] != geom:
+                    raise ModelError(f"{ename}: quantized with a different group size than expert 0; re-quantize")
+                stacks[f"{key}_packed"][e].copy_(kw.weight)
+                stacks[f"{key}_scales_and_zeros"][e].copy_(kw.scales_and_zeros)
+            self.group_size = gate_up.group
+            del gate_up, down, parts
+        for key, value in stacks.items():
+            setattr(self, key, value)
+        self.layout = device.type
+        self.compute_dtype = self.down_scales_and_zeros.dtype
+        return self
+
+    def unload_(self) -> None:
+        """Drop the packed buffers (the module becomes an empty shell again)."""
+        self.gate_up_packed = self.gate_up_scales_and_zeros = self.down_packed = self.down_scales_and_zeros = None
+
+    @classmethod
+    def from_gptq(
+        cls,
+        source: Sequence[Mapping[str, Mapping[str, torch.Tensor]]] | Mapping[str, torch.Tensor],
+        *,
+        num_experts: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        act_fn: nn.Module,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        prefix: str = "",
+        name: str = "experts",
+    ) -> Int4Experts:
+        module = cls(num_experts, hidden_dim, intermediate_dim, act_fn)
+        return module.load_gptq_(source, device, dtype, name=name, prefix=prefix)
+
+    def _linear(self, x: torch.Tensor, e: int, key: str) -> torch.Tensor:
+        kg, K_run, _ = self._geom[key]
+        if K_run > x.shape[1]:
+            x = F.pad(x, (0, K_run - x.shape[1]))
+        return _int4_mm(x.contiguous(), getattr(self, f"{key}_packed")[e], kg, getattr(self, f"{key}_scales_and_zeros")[e])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        _check_device(self, self.down_packed, self.layout, "Int4Experts")
+        final = torch.zeros_like(hidden_states)
+        T, k = top_k_index.shape
+        if T == 0:
+            return final
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        n_valid = sum(counts[: self.num_experts])  # indices >= num_experts sort last and are skipped
+        order = order[:n_valid]
+        token = order // k
+        x = hidden_states[token]
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        out = torch.empty((n_valid, self.hidden_dim), dtype=self.compute_dtype, device=x.device)
+        inter, H = self.intermediate_dim, self.hidden_dim
+        start = 0
+        for e, c in enumerate(counts[: self.num_experts]):
+            if c == 0:
+                continue
+            xs = x[start : start + c]
+            gate_up = self._linear(xs, e, "gate_up")
+            h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+            out[start : start + c] = self._linear(h, e, "down")[:, :H]
+            start += c
+        weights = top_k_weights.reshape(-1)[order]
+        out = out.to(hidden_states.dtype) * weights[:, None]
+        final.index_add_(0, token, out.to(final.dtype))
+        return final
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
+            f"group_size={self.group_size}, loaded={self.is_loaded}, layout={self.layout}"
+        )
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+        and hasattr(module, "act_fn")
+    )
+
+
+def convert_for_runtime(model: nn.Module, quantized: Iterable[str]) -> dict[str, nn.Module]:
+    """Replace, in place, each module named in ``quantized`` with an empty INT4 shell (no allocation).
+
+    ``nn.Linear`` -> ``Int4Linear``; a fused experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I],
+    ``act_fn``) -> ``Int4Experts`` sharing its ``act_fn``. Returns {path: shell} for the loader.
+    """
+    shells: dict[str, nn.Module] = {}
+    for path in sorted(set(quantized)):
+        try:
+            old = model.get_submodule(path)
+        except AttributeError as exc:
+            raise ModelError(f"quantized module {path!r} does not exist in the model; the checkpoint does not match it") from exc
+        if isinstance(old, nn.Linear):
+            new: nn.Module = Int4Linear(old.in_features, old.out_features, bias=old.bias is not None)
+        elif _is_fused_experts(old):
+            E, two_i, H = old.gate_up_proj.shape
+            new = Int4Experts(E, H, two_i // 2, old.act_fn)
+        else:
+            raise ModelError(f"quantized module {path!r} is a {type(old).__name__}, not a Linear or fused experts module")
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
+        shells[path] = new
+    return shells
+
+
+def load_int4_module(
+    module: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "layer",
+) -> nn.Module:
+    """Fill an INT4 shell from its checkpoint tensors (keys relative to the module path, see ``int4_tensor_keys``)."""
+    if isinstance(module, (Int4Linear, Int4Experts)):
+        return module.load_gptq_(tensors, device, dtype, name=name)
+    raise TypeError(f"{name} is a {type(module).__name__}, not an INT4 module")
+
+
+def unload_int4_module(module: nn.Module) -> None:
+    """Free an INT4 module's buffers; it can be loaded again later."""
+    module.unload_()
+
+
+def int4_tensor_keys(module: nn.Module) -> list[str]:
+    """The checkpoint keys (relative to the module's path) that ``load_int4_module`` reads for this shell."""
+    return module.tensor_keys()
+
+
+_EXPERT_CHILD = re.compile(r"^(?P<experts>(?:.+\.)?experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
+
+
+def quantized_module_paths(keys: Iterable[str]) -> set[str]:
+    """Module paths to hand to ``convert_for_runtime`` from checkpoint keys: every ``P.qweight`` gives P, and
+    GPTQModel's defused ``X.experts.{e}.{gate,up,down}_proj`` collapse to the fused module ``X.experts``."""
+    paths = set()
+    for key in keys:
+        if key.endswith(".qweight"):
+            path = key[: -len(".qweight")]
+            m = _EXPERT_CHILD.match(path)
+            paths.add(m.group("experts") if m else path)
+    return paths
+
+
+__all__ = [
+    "CPU_CONVERT_CHUNK_ROWS",
+    "Int4Experts",
+    "Int4Linear",
+    "convert_for_runtime",
+    "int4_experts_runtime_bytes",
+    "int4_linear_runtime_bytes",
+    "int4_tensor_keys",
+    "kernel_group_size",
+    "load_int4_module",
+    "quantized_module_paths",
+    "unload_int4_module",
+]

@@ -1,0 +1,279 @@
+"""The time-sliced loader: components swapped in and out of device memory under a budget.
+
+The model skeleton is built once with every parameter on the meta device (buffers, a few MiB of rotary tables
+and offsets, are real). A component is loaded by reading its tensors straight from safetensors onto the target
+device and assigning them into the skeleton; INT4 modules are converted from their GPTQ tensors one module at a
+time, so no component is ever held twice. Swapping out replaces the tensors with meta tensors, frees them and
+empties the allocator cache: the Orin's memory is unified, so "offloading to CPU" would free nothing, and
+swapping in is a read from storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import components as C
+from .checkpoint import Checkpoint
+from .errors import BudgetError, ModelError
+
+log = logging.getLogger("orin.loader")
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with parameters on the meta device and buffers real: parameters are what we load from
+    storage; buffers (rotary inverse frequencies, codec offsets) are computed in __init__ and tiny."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@dataclass
+class Swap:
+    component: str
+    direction: str  # "in" or "out"
+    bytes: int
+    seconds: float
+    background: bool = False
+
+    def to_json(self) -> dict:
+        return {"component": self.component, "direction": self.direction, "bytes": self.bytes,
+                "seconds": round(self.seconds, 6), "background": self.background}
+
+
+@dataclass
+class MemoryTracker:
+    """Peak memory of a request. On CUDA it is the allocator's own measurement (weights, KV cache and
+    activations). On CPU torch keeps no allocator statistics, so it is the exact byte count of the tensors the
+    engine holds: resident weights plus the KV cache."""
+
+    device: torch.device
+    resident: dict[str, int] = field(default_factory=dict)
+    dynamic: int = 0
+    peak: int = 0
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return sum(self.resident.values()) + self.dynamic
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = self.current()
+
+    def observe(self) -> int:
+        now = self.current()
+        if self.device.type == "cuda":
+            now = max(now, torch.cuda.max_memory_allocated(self.device))
+        self.peak = max(self.peak, now)
+        return now
+
+
+class Loader:
+    """Owns the skeleton and which components are resident. Not thread-safe beyond its own prefetch thread:
+    the engine serialises requests."""
+
+    def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 budget: int | None = None):
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
+        from .int4 import convert_for_runtime
+
+        self.ckpt = checkpoint
+        self.device = device
+        self.dtype = dtype
+        self.budget = budget
+        with params_on_meta():
+            model = Qwen3OmniMoeForConditionalGeneration(checkpoint.config)
+        model.eval()
+        self.shells = convert_for_runtime(model, checkpoint.quantized_modules)
+        for buf_owner in model.modules():
+            for name, buf in list(buf_owner._buffers.items()):
+                if buf is not None and buf.device.type != "meta":
+                    buf_owner._buffers[name] = buf.to(device)
+        self.model = model
+        self.memory = MemoryTracker(device)
+        self.swaps: list[Swap] = []
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orin-prefetch")
+        self._pending: dict[str, Future] = {}
+        self._meta_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    # ------------------------------------------------------------------ state
+
+    def resident(self) -> tuple[str, ...]:
+        return tuple(c for c in C.NAMES if c in self.memory.resident)
+
+    def resident_bytes(self) -> int:
+        return sum(self.memory.resident.values())
+
+    def is_resident(self, component: str) -> bool:
+        return component in self.memory.resident
+
+    # ------------------------------------------------------------------ loading
+
+    def _assign(self, key: str, tensor: torch.Tensor) -> int:
+        module_path, _, name = key.rpartition(".")
+        module = self.model.get_submodule(module_path)
+        if name in module._parameters:
+            old = module._parameters[name]
+            if tuple(old.shape) != tuple(tensor.shape):
+                raise ModelError(f"{key}: checkpoint shape {tuple(tensor.shape)} does not match the model's "
+                                 f"{tuple(old.shape)}; the checkpoint is for another model")
+            self._meta_shapes.setdefault(key, (old.shape, old.dtype))
+            if tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        elif name in module._buffers:
+            buf = module._buffers[name]
+            module._buffers[name] = tensor.to(buf.dtype) if buf is not None and buf.is_floating_point() else tensor
+        else:
+            raise ModelError(f"{key}: the model has no such tensor; the checkpoint is for another model")
+        return tensor.numel() * tensor.element_size()
+
+    def _load_now(self, component: str) -> int:
+        from .int4 import load_int4_module
+
+        total = 0
+        shells = {p: m for p, m in self.shells.items() if C.component_of(p + ".") == component}
+        for source in self.ckpt.sources(component):
+            with source.open(self.device) as reader:
+                for key in source.plain_keys:
+                    total += self._assign(key, reader.get_tensor(key))
+                for path, keys in source.int4_modules.items():
+                    shell = shells[path]
+                    load_int4_module(shell, _Relative(reader, path, keys), self.device, self.dtype, name=path)
+                    total += _module_bytes(shell)
+        missing = [n for n, p in self.model.named_parameters()
+                   if C.component_of(n) == component and p.device.type == "meta"]
+        if missing:
+            raise ModelError(f"the checkpoint lacks {len(missing)} tensor(s) of {component}, e.g. {missing[0]}; "
+                             "re-run orin-omni quantize")
+        return total
+
+    def _load_timed(self, component: str, background: bool) -> None:
+        start = time.perf_counter()
+        nbytes = self._load_now(component)
+        with self._lock:
+            self.memory.resident[component] = nbytes
+            self.swaps.append(Swap(component, "in", nbytes, time.perf_counter() - start, background))
+        self.memory.observe()
+        log.info("swap in  %-15s %10d bytes %.3f s%s", component, nbytes, time.perf_counter() - start,
+                 " (prefetch)" if background else "")
+
+    def ensure(self, component: str) -> None:
+        """Make `component` resident (waiting for a prefetch of it, if one is running)."""
+        pending = self._pending.pop(component, None)
+        if pending is not None:
+            pending.result()
+        if not self.is_resident(component):
+            self._load_timed(component, background=False)
+
+    def prefetch(self, component: str) -> None:
+        """Start loading `component` in the background; the caller has checked the budget allows it."""
+        if self.is_resident(component) or component in self._pending:
+            return
+        self._pending[component] = self._pool.submit(self._load_timed, component, True)
+
+    def evict(self, component: str) -> None:
+        from .int4 import unload_int4_module
+
+        pending = self._pending.pop(component, None)
+        if pending is not None:
+            pending.result()
+        if not self.is_resident(component):
+            return
+        start = time.perf_counter()
+        before = self.memory.current()
+        for name, param in list(self.model.named_parameters()):
+            if C.component_of(name) != component or param.device.type == "meta":
+                continue
+            module_path, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_path)
+            module._parameters[attr] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                    requires_grad=False)
+        for path, shell in self.shells.items():
+            if C.component_of(path + ".") == component:
+                unload_int4_module(shell)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        with self._lock:
+            nbytes = self.memory.resident.pop(component)
+            self.swaps.append(Swap(component, "out", nbytes, time.perf_counter() - start))
+        if self.device.type == "cuda":
+            freed = before - torch.cuda.memory_allocated(self.device)
+            if freed < nbytes * 0.9:
+                raise RuntimeError(f"evicting {component} freed {freed} bytes of {nbytes}: something still holds "
+                                   "its tensors")
+        log.info("swap out %-15s %10d bytes %.3f s", component, nbytes, time.perf_counter() - start)
+
+    def make_room(self, keep: tuple[str, ...], incoming: int, working: int) -> None:
+        """Evict components outside `keep` (least recently needed first, in pipeline order) until the
+        resident bytes plus `incoming` and `working` fit the budget."""
+        if self.budget is None:
+            return
+        for comp in C.PIPELINE:
+            if self.resident_bytes() + incoming + working <= self.budget:
+                return
+            if comp in self.memory.resident and comp not in keep:
+                self.evict(comp)
+        if self.resident_bytes() + incoming + working > self.budget:
+            raise BudgetError(f"cannot fit {', '.join(keep)} in the budget: resident "
+                              f"{self.resident_bytes()} + loading {incoming} + working {working} bytes")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers() if b is not None)
+
+
+class _Relative(Mapping):
+    """A lazy view of one INT4 module's checkpoint tensors, with keys relative to the module path; tensors are
+    read from the open safetensors file only when the module asks for them."""
+
+    def __init__(self, reader, path: str, keys: list[str]):
+        self._reader = reader
+        self._prefix = path + "."
+        self._keys = [k[len(self._prefix):] for k in keys]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._reader.get_tensor(self._prefix + key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    return Path(path)

@@ -1,0 +1,534 @@
+"""The GPTQ v1 checkpoint format (orin.gptq_format) and the INT4 runtime modules (orin.int4)."""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import nn
+
+from orin import int4
+from orin.errors import ModelError
+from orin.gptq_format import (
+    decode_qzeros_v1,
+    dequantize_gptq_v1,
+    gptq_v1_bytes,
+    pack_gptq_v1,
+    pad_in_features,
+    quantize_rtn,
+    random_gptq_v1,
+    unpack_gptq_v1,
+)
+from orin.int4 import (
+    Int4Experts,
+    Int4Linear,
+    convert_for_runtime,
+    int4_experts_runtime_bytes,
+    int4_linear_runtime_bytes,
+    int4_tensor_keys,
+    load_int4_module,
+    quantized_module_paths,
+    unload_int4_module,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, dtype, relative tolerance); CUDA's kernel is bf16 only.
+CASES = [("cpu", torch.float32, 1e-5), ("cpu", torch.bfloat16, 1e-2), ("cpu", torch.float16, 1e-2)]
+CASES += [("cuda", torch.bfloat16, 1e-2)] if torch.cuda.is_available() else []
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+def _random_codes(N: int, K: int, g: int, gen: torch.Generator, sym: bool = False):
+    groups = pad_in_features(K, g) // g
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+    z = torch.full((groups, N), 8, dtype=torch.int32) if sym else torch.randint(0, 16, (groups, N), generator=gen, dtype=torch.int32)
+    if not sym:
+        z[0, :8] = torch.tensor([0, 5, 0, 15, 0, 0, 1, 0])  # zero points of 0 make the v1 "-1" borrow across nibbles
+    s = torch.rand((groups, N), generator=gen) * 0.01 + 0.001
+    return q, z, s
+
+
+# ---------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize("K,N,g,sym", [(256, 64, 128, False), (256, 64, 64, True), (200, 48, 128, False), (538, 72, 32, False)])
+def test_pack_unpack_round_trip(K, N, g, sym):
+    q, z, s = _random_codes(N, K, g, _gen(K + N))
+    packed = pack_gptq_v1(q, z, s, g)
+    K_pad = pad_in_features(K, g)
+    assert packed["qweight"].shape == (K_pad // 8, N) and packed["qweight"].dtype == torch.int32
+    assert packed["qzeros"].shape == (K_pad // g, N // 8) and packed["qzeros"].dtype == torch.int32
+    assert packed["scales"].dtype == torch.float16 and torch.equal(packed["g_idx"], torch.arange(K_pad, dtype=torch.int32) // g)
+    q2, z2, s2, g2 = unpack_gptq_v1(packed)
+    assert g2 == g
+    assert torch.equal(q2[:, :K].int(), q)
+    assert torch.equal(q2[:, K:].int(), z[-1].view(N, 1).expand(N, K_pad - K))  # padding dequantizes to exactly 0
+    assert torch.equal(z2.int(), z)
+    assert torch.equal(s2, s.half())
+    W = dequantize_gptq_v1(packed)
+    assert W.shape == (N, K_pad) and torch.all(W[:, K:] == 0)
+
+
+def test_v1_zero_points_are_word_minus_0x11111111():
+    # GPTQModel writes v1 qzeros as the packed word minus 0x11111111 (borrowing across nibbles), not nibble-wise -1.
+    z = torch.tensor([[0, 5, 0, 15, 3, 0, 0, 8]], dtype=torch.int32)
+    word = sum(int(v) << (4 * j) for j, v in enumerate(z[0]))
+    packed = pack_gptq_v1(torch.zeros(8, 32, dtype=torch.int32), z, torch.ones(1, 8), 32)
+    assert int(packed["qzeros"][0, 0]) & 0xFFFFFFFF == (word - 0x11111111) & 0xFFFFFFFF
+    assert torch.equal(decode_qzeros_v1(packed["qzeros"]).int(), z)
+
+
+@pytest.mark.parametrize("K,N,g,bias", [(256, 64, 128, False), (4304, 1152, 128, True), (200, 48, 64, True), (2048, 768, 32, False)])
+def test_gptq_v1_bytes_is_the_packed_size(K, N, g, bias):
+    packed = random_gptq_v1(K, N, g, generator=_gen(1), bias=bias)
+    assert gptq_v1_bytes(K, N, g, bias) == sum(t.nbytes for t in packed.values())
+
+
+def test_pad_in_features():
+    assert pad_in_features(4304, 128) == 4352
+    assert pad_in_features(200, 128) == 256
+    assert pad_in_features(2048, 128) == 2048
+
+
+def test_non_contiguous_g_idx_is_refused():
+    packed = random_gptq_v1(256, 64, 64, generator=_gen(2))
+    packed["g_idx"] = packed["g_idx"][torch.randperm(256, generator=_gen(3))]  # what desc_act=True writes
+    with pytest.raises(ModelError, match="desc_act"):
+        unpack_gptq_v1(packed, name="thinker.x.q_proj")
+    with pytest.raises(ModelError, match="thinker.x.q_proj.g_idx is not contiguous"):
+        Int4Linear.from_gptq(packed, 256, "cpu", torch.float32, name="thinker.x.q_proj")
+
+
+def test_missing_tensor_and_wrong_width_are_refused():
+    packed = random_gptq_v1(256, 64, 128, generator=_gen(4))
+    with pytest.raises(ModelError, match="qzeros"):
+        unpack_gptq_v1({k: v for k, v in packed.items() if k != "qzeros"})
+    with pytest.raises(ModelError, match="in_features=512"):
+        dequantize_gptq_v1(packed, in_features=512)
+    with pytest.raises(ModelError, match="in_features=100"):
+        Int4Linear.from_gptq(packed, 100, "cpu", torch.float32)
+
+
+def test_dequantize_drops_padding_columns():
+    W = torch.randn(48, 200, generator=_gen(5))
+    packed = quantize_rtn(W, group_size=128)
+    assert packed["qweight"].shape[0] * 8 == 256
+    deq = dequantize_gptq_v1(packed, in_features=200)
+    assert deq.shape == (48, 200)
+    assert torch.equal(deq, dequantize_gptq_v1(packed)[:, :200])
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_quantize_rtn_error_is_within_half_a_step(sym):
+    W = torch.randn(64, 320, generator=_gen(6)) * 0.02
+    packed = quantize_rtn(W, group_size=64, sym=sym)
+    _, zeros, scales, g = unpack_gptq_v1(packed)
+    assert g == 64
+    if sym:
+        assert torch.all(zeros == 8)
+    step = scales.float().repeat_interleave(64, dim=0).t()[:, :320]
+    err = (dequantize_gptq_v1(packed, in_features=320) - W).abs()
+    # Half a step, plus what the fp16 rounding (2**-11) of the stored scale moves the range ends (<= 8 steps) by.
+    assert torch.all(err <= step * (0.5 + 8 * 2**-11) + 1e-7)
+    assert _rel(dequantize_gptq_v1(packed, in_features=320), W) < 0.15  # 4-bit RTN on a Gaussian: ~0.1
+
+
+# ---------------------------------------------------------------- Int4Linear
+
+
+def _native_layout(packed: dict, K: int) -> dict:
+    """GPTQModel's own unpadded layout: qweight rows ceil(K/8), g_idx of length K, a partial last group."""
+    out = dict(packed)
+    out["qweight"] = packed["qweight"][: -(-K // 8)].contiguous()
+    out["g_idx"] = packed["g_idx"][:K].contiguous()
+    return out
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize(
+    "K,N,g,bias,native",
+    [
+        (256, 64, 128, False, False),
+        (200, 48, 128, True, False),  # K_pad 256
+        (538, 72, 128, True, False),  # 4304-like (2*269) scaled down; N not a multiple of 16
+        (538, 72, 128, False, True),  # the same, in GPTQModel's unpadded layout
+        (512, 64, 32, False, False),
+        (512, 64, 512, True, False),  # g above the kernel's 256: scales repeat
+    ],
+)
+def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bias, native):
+    gen = _gen(K * N + g)
+    packed = random_gptq_v1(K, N, g, generator=gen, bias=bias)
+    if native:
+        packed = _native_layout(packed, K)
+    W = dequantize_gptq_v1(packed, in_features=K)
+    b = packed["bias"].float() if bias else 0.0
+    layer = Int4Linear.from_gptq({k: v.to(device) for k, v in packed.items()}, K, device, dtype)
+    assert (layer.in_features, layer.out_features, layer.padded_in_features) == (K, N, pad_in_features(K, g))
+    for shape in [(2, 3, K), (1, K), (17, K)]:  # fresh draws each time
+        x = torch.randn(shape, generator=gen).to(dtype)
+        y = layer(x.to(device))
+        assert y.shape == (*shape[:-1], N) and y.dtype == dtype and y.device.type == device
+        assert _rel(y, x.float() @ W.T + b) <= tol
+    assert _rel(layer.dequantized_weight(), W) <= tol
+
+
+def test_int4_linear_real_vision_fc2_dims():
+    packed = random_gptq_v1(4304, 1152, 128, generator=_gen(7), bias=True)
+    assert packed["qweight"].shape == (4352 // 8, 1152)
+    layer = Int4Linear.from_gptq(packed, 4304, "cpu", torch.bfloat16)
+    x = torch.randn(5, 4304, generator=_gen(8)).bfloat16()
+    ref = x.float() @ dequantize_gptq_v1(packed, 4304).T + packed["bias"].float()
+    assert _rel(layer(x), ref) <= 1e-2
+
+
+def test_int4_linear_empty_batch_and_unload():
+    layer = Int4Linear.from_gptq(random_gptq_v1(64, 32, 32, generator=_gen(9)), 64, "cpu", torch.float32)
+    assert layer(torch.randn(0, 64)).shape == (0, 32)
+    unload_int4_module(layer)
+    assert not layer.is_loaded and list(layer.buffers()) == []
+    with pytest.raises(RuntimeError, match="not loaded"):
+        layer(torch.randn(2, 64))
+
+
+def test_cpu_conversion_in_row_chunks_matches_whole(monkeypatch):
+    packed = random_gptq_v1(256, 320, 64, generator=_gen(10))
+    whole = Int4Linear.from_gptq(packed, 256, "cpu", torch.float32).weight_packed
+    monkeypatch.setattr(int4, "CPU_CONVERT_CHUNK_ROWS", 64)
+    chunked = Int4Linear.from_gptq(packed, 256, "cpu", torch.float32).weight_packed
+    assert torch.equal(whole, chunked)
+
+
+def test_cuda_byte_layout_from_qweight():
+    # CUDA's _convert_weight_to_int4pack takes uint8 [N, K/2] with q[n, 2j] in the high nibble (torchao's layout).
+    packed = random_gptq_v1(64, 32, 32, generator=_gen(11))
+    q = unpack_gptq_v1(packed)[0].int()
+    assert torch.equal(int4._cuda_codes_bytes(packed["qweight"]).int(), (q[:, ::2] << 4) | q[:, 1::2])
+
+
+@pytest.mark.parametrize("K,N,g,bias", [(200, 48, 128, True), (512, 72, 512, False)])
+def test_runtime_bytes_match_buffers(K, N, g, bias):
+    layer = Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=_gen(12), bias=bias), K, "cpu", torch.bfloat16)
+    assert int4_linear_runtime_bytes(K, N, g, bias=bias, dtype=torch.bfloat16) == sum(b.nbytes for b in layer.buffers())
+
+
+# ---------------------------------------------------------------- Int4Experts
+
+E, H, INTER, TOPK, G = 8, 64, 48, 2, 32
+
+
+def _expert_checkpoint(gen: torch.Generator, hidden=H, inter=INTER, g=G) -> dict[str, torch.Tensor]:
+    """A flat GPTQModel-style defused expert checkpoint: '{e}.gate_proj.qweight', ..."""
+    flat = {}
+    for e in range(E):
+        for proj, (K, N) in {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}.items():
+            for key, t in random_gptq_v1(K, N, g, generator=gen).items():
+                flat[f"{e}.{proj}.{key}"] = t
+    return flat
+
+
+def _dequantized_experts(flat: Mapping[str, torch.Tensor], hidden=H, inter=INTER):
+    """HF's fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    def deq(e, proj, K):
+        return dequantize_gptq_v1({k: flat[f"{e}.{proj}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, K)
+
+    gate_up = torch.stack([torch.cat([deq(e, "gate_proj", hidden), deq(e, "up_proj", hidden)]) for e in range(E)])
+    down = torch.stack([deq(e, "down_proj", inter) for e in range(E)])
+    return gate_up, down
+
+
+def _routing(T: int, gen: torch.Generator, unused=(5,)):
+    allowed = torch.tensor([e for e in range(E) if e not in unused])
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:TOPK]] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, TOPK, generator=gen), dim=-1)
+    return idx, w
+
+
+def _reference_experts(x, idx, w, gate_up, down):
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if e == E:
+                continue
+            gu = x[t].double() @ gate_up[e].double().T
+            h = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
+            out[t] += w[t, j].double() * (h @ down[e].double().T)
+    return out
+
+
+def _hf_text_config():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+    config = Qwen3OmniMoeTextConfig(
+        hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=TOPK, hidden_act="silu"
+    )
+    config._experts_implementation = "eager"
+    return config
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol):
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextExperts
+
+    gen = _gen(20)
+    flat = _expert_checkpoint(gen)
+    gate_up, down = _dequantized_experts(flat)
+    hf = Qwen3OmniMoeThinkerTextExperts(_hf_text_config())
+    hf.gate_up_proj.data, hf.down_proj.data = gate_up.clone(), down.clone()
+    experts = Int4Experts.from_gptq(
+        {k: v.to(device) for k, v in flat.items()},
+        num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=hf.act_fn, device=device, dtype=dtype,
+    )
+    calls = []
+    real_linear = experts._linear
+    experts._linear = lambda x, e, key: calls.append(e) or real_linear(x, e, key)
+    for T in (37, 1):  # a prefill-like batch and a single decode token, fresh draws
+        x = torch.randn(T, H, generator=gen)
+        idx, w = _routing(T, gen)
+        y = experts(x.to(device, dtype), idx.to(device), w.to(device, dtype))
+        assert y.shape == (T, H) and y.dtype == dtype
+        ref = _reference_experts(x.to(dtype).float(), idx, w.to(dtype).float(), gate_up, down)
+        assert _rel(y, ref) <= tol
+        with torch.no_grad():
+            hf_out = hf.to(torch.float32)(x.to(dtype).float(), idx, w.to(dtype).float())
+        assert _rel(y, hf_out) <= tol
+        assert sorted(set(calls)) == sorted(set(idx.flatten().tolist()))  # only the picked experts ran
+        assert len(calls) == 2 * len(set(calls))
+        calls.clear()
+
+
+def test_int4_experts_skip_sentinel_index_and_accept_per_expert_lists():
+    gen = _gen(21)
+    flat = _expert_checkpoint(gen)
+    per_expert = [
+        {p: {k: flat[f"{e}.{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")} for p in ("gate_proj", "up_proj", "down_proj")}
+        for e in range(E)
+    ]
+    experts = Int4Experts.from_gptq(
+        per_expert, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(), device="cpu", dtype=torch.float32
+    )
+    gate_up, down = _dequantized_experts(flat)
+    x = torch.randn(9, H, generator=gen)
+    idx, w = _routing(9, gen)
+    idx[::3, 1] = E  # HF masks experts with the index num_experts
+    assert _rel(experts(x, idx, w), _reference_experts(x, idx, w, gate_up, down)) <= 1e-5
+    assert experts(x[:0], idx[:0], w[:0]).shape == (0, H)
+
+
+def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():
+    flat = _expert_checkpoint(_gen(22))
+
+    class Recording(Mapping):
+        def __init__(self):
+            self.read = []
+
+        def __getitem__(self, key):
+            self.read.append(key)
+            return flat[key.removeprefix("model.experts.")]
+
+        def __iter__(self):
+            return ("model.experts." + k for k in flat)
+
+        def __len__(self):
+            return len(flat)
+
+    source = Recording()
+    experts = Int4Experts(E, H, INTER, nn.SiLU())
+    experts.load_gptq_(source, "cpu", torch.float32, name="model.experts", prefix="model.experts.")
+    order = [int(k.split(".")[2]) for k in source.read]
+    assert order == sorted(order)  # expert e is fully read and converted before expert e+1
+    assert set(int4_tensor_keys(experts)) == set(flat)
+    assert int4_experts_runtime_bytes(E, H, INTER, G, dtype=torch.float32) == sum(b.nbytes for b in experts.buffers())
+
+
+def test_int4_experts_refuse_mismatched_checkpoint():
+    flat = _expert_checkpoint(_gen(23))
+    with pytest.raises(ModelError, match=r"experts\.0\.down_proj: .* does not match this model"):
+        Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER * 2, act_fn=nn.SiLU(), device="cpu")
+    del flat["3.up_proj.qweight"]
+    with pytest.raises(ModelError, match=r"experts\.3\.up_proj\.qweight missing"):
+        Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(), device="cpu")
+
+
+# ---------------------------------------------------------------- conversion of a real HF block
+
+
+def _talker_block_cls_and_config():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerTextConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextSparseMoeBlock
+
+    config = Qwen3OmniMoeTalkerTextConfig(
+        hidden_size=H, moe_intermediate_size=INTER, shared_expert_intermediate_size=96,
+        num_experts=E, num_experts_per_tok=TOPK, hidden_act="silu",
+    )
+    config._experts_implementation = "eager"
+    return Qwen3OmniMoeTalkerTextSparseMoeBlock, config
+
+
+def _thinker_block_cls_and_config():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextSparseMoeBlock
+
+    return Qwen3OmniMoeThinkerTextSparseMoeBlock, _hf_text_config()
+
+
+@pytest.mark.parametrize("which", ["thinker", "talker"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_convert_for_runtime_then_load_matches_hf_block(which, dtype, tol):
+    cls, config = _thinker_block_cls_and_config() if which == "thinker" else _talker_block_cls_and_config()
+    torch.manual_seed(30)
+    original = cls(config)
+    for p in original.parameters():
+        nn.init.normal_(p, std=0.05)
+    # Quantize like `orin-omni quantize` would: experts defused per GPTQModel, Linears as themselves.
+    checkpoint = {}
+    for e in range(E):
+        gate, up = original.experts.gate_up_proj.data[e].chunk(2)
+        for proj, W in (("gate_proj", gate), ("up_proj", up), ("down_proj", original.experts.down_proj.data[e])):
+            checkpoint.update({f"experts.{e}.{proj}.{k}": v for k, v in quantize_rtn(W, group_size=G).items()})
+    linears = [n for n, m in original.named_modules() if isinstance(m, nn.Linear) and n.startswith("shared_expert.")]
+    for name in linears:
+        checkpoint.update({f"{name}.{k}": v for k, v in quantize_rtn(original.get_submodule(name).weight.data, group_size=G).items()})
+    paths = quantized_module_paths(checkpoint)
+    assert paths == {"experts", *linears}
+
+    # The reference: HF's own forward with the dequantized weights.
+    reference = cls(config)
+    reference.load_state_dict(original.state_dict())
+    gate_up, down = _dequantized_experts({k.removeprefix("experts."): v for k, v in checkpoint.items()})
+    reference.experts.gate_up_proj.data, reference.experts.down_proj.data = gate_up, down
+    for name in linears:
+        mod = reference.get_submodule(name)
+        mod.weight.data = dequantize_gptq_v1({k: checkpoint[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, mod.in_features)
+    reference = reference.to(dtype)
+
+    # The loader's flow: skeleton on meta, shells, materialize the rest, fill the shells.
+    with torch.device("meta"):
+        block = cls(config)
+    shells = convert_for_runtime(block, paths)
+    assert set(shells) == paths and isinstance(block.experts, Int4Experts)
+    assert all(t.device.type == "meta" for t in block.parameters())  # the shells allocated nothing
+    assert not any(True for s in shells.values() for _ in s.buffers())
+    block = block.to_empty(device="cpu")
+    block.load_state_dict({k: v for k, v in reference.state_dict().items() if k in dict(block.named_parameters())}, strict=False)
+    for path, shell in shells.items():
+        load_int4_module(shell, {k: checkpoint[f"{path}.{k}"] for k in int4_tensor_keys(shell)}, "cpu", dtype, name=path)
+    block = block.to(dtype)
+
+    x = torch.randn(3, 11, H, generator=_gen(31)).to(dtype)
+    with torch.no_grad():
+        assert _rel(block(x), reference(x)) <= tol
+
+
+def test_convert_for_runtime_refuses_unknown_or_unsupported_paths():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+    with pytest.raises(ModelError, match="'2' does not exist"):
+        convert_for_runtime(model, {"2"})
+    with pytest.raises(ModelError, match="ReLU"):
+        convert_for_runtime(model, {"1"})
+    shells = convert_for_runtime(model, {"0"})
+    assert isinstance(model[0], Int4Linear) and shells["0"] is model[0] and model[0].in_features == 64
+
+
+def test_quantized_module_paths_collapse_defused_experts():
+    keys = [
+        "thinker.model.language_model.layers.0.self_attn.q_proj.qweight",
+        "thinker.model.language_model.layers.0.self_attn.q_proj.scales",
+        "thinker.model.language_model.layers.0.mlp.experts.0.gate_proj.qweight",
+        "thinker.model.language_model.layers.0.mlp.experts.127.down_proj.qweight",
+        "thinker.model.language_model.layers.0.mlp.gate.weight",
+    ]
+    assert quantized_module_paths(keys) == {
+        "thinker.model.language_model.layers.0.self_attn.q_proj",
+        "thinker.model.language_model.layers.0.mlp.experts",
+    }
+
+
+# ---------------------------------------------------------------- GPTQModel 7.6.0 cross-check
+
+
+@pytest.fixture(scope="module")
+def gptqmodel_api():
+    # The pure-python packer only: the native pack extension would JIT-compile (~25 s) on first use.
+    os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = "1"
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    pytest.importorskip("gptqmodel")
+    from gptqmodel.nn_modules.qlinear import PackableQuantLinear
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.utils.model import convert_gptq_v1_to_v2_format_module, convert_gptq_v2_to_v1_format_module
+
+    return types.SimpleNamespace(
+        TorchLinear=TorchLinear,
+        dequantize=PackableQuantLinear.dequantize_weight,
+        v1_to_v2=convert_gptq_v1_to_v2_format_module,
+        v2_to_v1=convert_gptq_v2_to_v1_format_module,
+    )
+
+
+def _gptqmodel_pack(api, q, z, s, g, bias, packer):
+    """Pack codes the way GPTQModel's quantizer does (v2 internally), then export to v1 as its saver does."""
+    N, K = q.shape
+    grp = torch.arange(K) // g
+    lin = nn.Linear(K, N, bias=bias is not None)
+    s = s.half().float()
+    lin.weight.data = (q.float() - z.t().float()[:, grp]) * s.t()[:, grp]
+    if bias is not None:
+        lin.bias.data = bias.float()
+    m = api.TorchLinear(bits=4, group_size=g, sym=False, desc_act=False, in_features=K, out_features=N, bias=bias is not None)
+    getattr(m, packer)(lin, s.t().contiguous(), z.t().float().contiguous(), grp.to(torch.int32))
+    # Its v2->v1 export reads bits/pack_dtype off the module; a stand-in config avoids QuantizeConfig's temp dirs.
+    api.v2_to_v1(m, types.SimpleNamespace(bits=4, pack_dtype=torch.int32))
+    return m
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_pack_is_bit_identical_to_gptqmodel(gptqmodel_api, sym):
+    q, z, s = _random_codes(64, 256, 64, _gen(40), sym=sym)
+    bias = torch.randn(64, generator=_gen(41)).half()
+    m = _gptqmodel_pack(gptqmodel_api, q, z, s, 64, bias, "pack_block")
+    ours = pack_gptq_v1(q, z, s, 64, bias)
+    for key in ("qweight", "qzeros", "scales", "g_idx", "bias"):
+        theirs = getattr(m, key)
+        assert theirs.dtype == ours[key].dtype and torch.equal(theirs, ours[key]), key
+
+
+def test_gptqmodel_unpadded_layout_dequantizes_and_runs(gptqmodel_api):
+    # K=200 (not a multiple of 32 or g): GPTQModel's pack_original writes ceil(K/8) rows and a partial last group.
+    K, N, g = 200, 48, 64
+    q, z, s = _random_codes(N, K, g, _gen(42))
+    m = _gptqmodel_pack(gptqmodel_api, q, z, s, g, None, "pack_original")
+    tensors = {k: getattr(m, k).clone() for k in ("qweight", "qzeros", "scales", "g_idx")}
+    assert tensors["qweight"].shape == (25, N) and tensors["scales"].shape == (4, N)
+    ours = dequantize_gptq_v1(tensors, in_features=K)
+    gptqmodel_api.v1_to_v2(m, 4, torch.int32)
+    m.enable_wf_unsqueeze = True
+    theirs = gptqmodel_api.dequantize(m).t()  # fp16 products; ours are the exact fp32 products before rounding
+    assert theirs.dtype == torch.float16 and torch.equal(ours.half(), theirs)
+    layer = Int4Linear.from_gptq(tensors, K, "cpu", torch.float32)
+    x = torch.randn(4, K, generator=_gen(43))
+    assert _rel(layer(x), x @ ours.T) <= 1e-5
+
+
+def test_defuser_names_experts_like_our_format(gptqmodel_api):
+    # GPTQModel quantizes Qwen3-Omni's MoE through defuser's per-expert modules; their names are our keys.
+    from defuser.modeling.unfused_moe.qwen3_omni_moe import LinearQwen3OmniMoeThinkerTextSparseMoeBlock
+
+    with torch.device("meta"):
+        block = LinearQwen3OmniMoeThinkerTextSparseMoeBlock(_hf_text_config())
+    linears = {n for n, mod in block.named_modules() if isinstance(mod, nn.Linear)}
+    assert {"experts.0.gate_proj", "experts.0.up_proj", "experts.0.down_proj", f"experts.{E - 1}.down_proj"} <= linears
+    assert quantized_module_paths(f"{n}.qweight" for n in linears) == {"experts"}
+    assert set(int4_tensor_keys(Int4Experts(E, H, INTER, nn.SiLU()))) == {
+        f"{n}.{k}"[len("experts."):] for n in linears for k in ("qweight", "qzeros", "scales", "g_idx")
+    }
