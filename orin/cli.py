@@ -163,6 +163,37 @@ def uninstall_service_cmd(name, root, dry_run):
     uninstall_service(UninstallConfig(name=name, root=root, dry_run=dry_run), log=click.echo)
 
 
+@cli.command("generate")
+@click.argument("model_dir", type=click.Path())
+@click.option("--text", default=None, help="The question or instruction.")
+@click.option("--image", "images", multiple=True, type=click.Path(), help="PNG/JPEG image (repeatable).")
+@click.option("--audio", "audios", multiple=True, type=click.Path(),
+              help="WAV/FLAC (MP3 where libsndfile decodes it), any sample rate (repeatable).")
+@click.option("--out-wav", type=click.Path(dir_okay=False), default=None, help="Write the 24 kHz speech here.")
+@click.option("--speech/--no-speech", default=True, show_default=True, help="Answer with speech too.")
+@click.option("--budget", type=SIZE, default=None, help="GPU memory budget; components are time-sliced under it.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-audio-frames", type=click.IntRange(min=1), default=None,
+              help="Cap on codec frames (12.5 per second of speech).")
+@click.option("--speaker", default="ethan", show_default=True, help="Voice name from the model config.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--power-backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the request report as JSON.")
+def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_new_tokens, max_audio_frames,
+                 speaker, temperature, device, power_backend, as_json):
+    """Run one request on a quantized checkpoint: print the text, write the speech, report time/memory/energy."""
+    from .generate import GenerateConfig, run_generate
+
+    run_generate(GenerateConfig(
+        model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), out_wav=out_wav, speech=speech,
+        budget=budget, max_new_tokens=max_new_tokens, speaker=speaker, device=device, as_json=as_json,
+        power_backend=power_backend, temperature=temperature, max_audio_frames=max_audio_frames,
+    ))
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="orin-omni")
 

@@ -128,7 +128,9 @@ def _group_size_from_g_idx(g_idx: torch.Tensor, K_pack: int, groups: int, name: 
     """Infer g from a contiguous g_idx (arange(L)//g); refuse act-order (desc_act=True) layouts."""
     L = g_idx.numel()
     if not (K_pack - PACK < L <= K_pack):
-        raise ModelError(f"{name}.g_idx has {L} entries but qweight holds {K_pack} input rows; the checkpoint is corrupt")
+        raise ModelError(
+            f"{name}.g_idx has {L} entries but qweight holds {K_pack} input rows; the checkpoint is corrupt"
+        )
     if groups == 1:
         g = -(-K_pack // 32) * 32  # any g >= L describes one group; pick one the kernels can tile
     else:
@@ -149,7 +151,9 @@ def gptq_v1_geometry(tensors: Mapping[str, torch.Tensor], name: str = "layer") -
     """
     missing = [k for k in GPTQ_KEYS if k not in tensors]
     if missing:
-        raise ModelError(f"{name}: GPTQ tensors {', '.join(missing)} missing from the checkpoint; re-run orin-omni quantize")
+        raise ModelError(
+            f"{name}: GPTQ tensors {', '.join(missing)} missing from the checkpoint; re-run orin-omni quantize"
+        )
     qweight, qzeros, scales, g_idx = (tensors[k] for k in GPTQ_KEYS)
     for key, t, dtypes in (
         ("qweight", qweight, (torch.int32,)),
@@ -158,7 +162,9 @@ def gptq_v1_geometry(tensors: Mapping[str, torch.Tensor], name: str = "layer") -
         ("scales", scales, (torch.float16, torch.bfloat16, torch.float32)),
     ):
         if t.dtype not in dtypes:
-            raise ModelError(f"{name}.{key} has dtype {t.dtype}, expected {dtypes[0]}; this is not a 4-bit GPTQ checkpoint")
+            raise ModelError(
+                f"{name}.{key} has dtype {t.dtype}, expected {dtypes[0]}; this is not a 4-bit GPTQ checkpoint"
+            )
     if qweight.dim() != 2 or scales.dim() != 2 or qzeros.dim() != 2:
         raise ModelError(f"{name}: qweight/qzeros/scales must be 2-D")
     K_pack, N = qweight.shape[0] * PACK, qweight.shape[1]

@@ -108,7 +108,9 @@ def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
 class _KernelWeight:
     """One layer in kernel form: packed weight, scales_and_zeros, kernel group, K_run and N_pad."""
 
-    def __init__(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int, group: int, K_run: int, N: int):
+    def __init__(
+        self, weight: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int, group: int, K_run: int, N: int
+    ):
         self.weight = weight
         self.scales_and_zeros = scales_and_zeros
         self.kernel_group = kernel_group
@@ -171,7 +173,9 @@ def int4_linear_runtime_bytes(K: int, N: int, g: int, *, bias: bool, dtype: torc
     return total + (N * item if bias else 0)
 
 
-def int4_experts_runtime_bytes(num_experts: int, hidden: int, intermediate: int, g: int, *, dtype: torch.dtype = torch.bfloat16) -> int:
+def int4_experts_runtime_bytes(
+    num_experts: int, hidden: int, intermediate: int, g: int, *, dtype: torch.dtype = torch.bfloat16
+) -> int:
     """Device bytes one loaded Int4Experts holds (fused gate+up [2I x H] and down [H x I] per expert)."""
     per_expert = int4_linear_runtime_bytes(hidden, 2 * intermediate, g, bias=False, dtype=dtype)
     per_expert += int4_linear_runtime_bytes(intermediate, hidden, g, bias=False, dtype=dtype)
@@ -221,7 +225,9 @@ class Int4Linear(nn.Module):
         device = torch.device(device)
         kw = _to_kernel(tensors, self.in_features, device, dtype, name)
         if kw.N != self.out_features:
-            raise ModelError(f"{name}: checkpoint has {kw.N} outputs, the model's Linear {self.out_features}; it does not match this model")
+            raise ModelError(
+                f"{name}: checkpoint has {kw.N} outputs, the model's Linear {self.out_features}; it does not match this model"
+            )
         self.weight_packed = kw.weight
         self.scales_and_zeros = kw.scales_and_zeros
         self.group_size, self.kernel_group_size = kw.group, kw.kernel_group
@@ -312,12 +318,16 @@ class _Prefixed(Mapping):
         return sum(1 for _ in self)
 
 
-def _fuse_gate_up(gate: Mapping[str, torch.Tensor], up: Mapping[str, torch.Tensor], device: torch.device, name: str) -> dict:
+def _fuse_gate_up(
+    gate: Mapping[str, torch.Tensor], up: Mapping[str, torch.Tensor], device: torch.device, name: str
+) -> dict:
     """One GPTQ layer [K=H, N=2I] from gate_proj and up_proj (gate outputs first, as HF's gate_up_proj)."""
     fused = {}
     for key in GPTQ_KEYS:
         if key not in gate or key not in up:
-            raise ModelError(f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize")
+            raise ModelError(
+                f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize"
+            )
         a, b = gate[key].to(device), up[key].to(device)
         fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
     if not torch.equal(gate["g_idx"].to(device), up["g_idx"].to(device)):
@@ -378,16 +388,26 @@ class Int4Experts(nn.Module):
             for p in EXPERT_PROJS:
                 if "qweight" not in parts[p]:
                     raise ModelError(f"{ename}.{p}.qweight missing from the checkpoint; re-run orin-omni quantize")
-            gate_up = _to_kernel(_fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, ename), self.hidden_dim, device, dtype, f"{ename}.gate_up")
+            gate_up = _to_kernel(
+                _fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, ename),
+                self.hidden_dim,
+                device,
+                dtype,
+                f"{ename}.gate_up",
+            )
             down = _to_kernel(parts["down_proj"], self.intermediate_dim, device, dtype, f"{ename}.down_proj")
             if gate_up.N != 2 * self.intermediate_dim or down.N != self.hidden_dim:
-                raise ModelError(f"{ename}: expert output sizes in the checkpoint do not match the model's (H={self.hidden_dim}, I={self.intermediate_dim})")
+                raise ModelError(
+                    f"{ename}: expert output sizes in the checkpoint do not match the model's (H={self.hidden_dim}, I={self.intermediate_dim})"
+                )
             for key, kw in (("gate_up", gate_up), ("down", down)):
                 geom = (kw.kernel_group, kw.K_run, kw.N_pad)
                 if e == 0:
                     self._geom[key] = geom
                     stacks[f"{key}_packed"] = torch.empty((E, *kw.weight.shape), dtype=kw.weight.dtype, device=device)
-                    stacks[f"{key}_scales_and_zeros"] = torch.empty((E, *kw.scales_and_zeros.shape), dtype=kw.scales_and_zeros.dtype, device=device)
+                    stacks[f"{key}_scales_and_zeros"] = torch.empty(
+                        (E, *kw.scales_and_zeros.shape), dtype=kw.scales_and_zeros.dtype, device=device
+                    )
                 elif self._geom[key] != geom:
                     raise ModelError(f"{ename}: quantized with a different group size than expert 0; re-quantize")
                 stacks[f"{key}_packed"][e].copy_(kw.weight)
@@ -425,9 +445,13 @@ class Int4Experts(nn.Module):
         kg, K_run, _ = self._geom[key]
         if K_run > x.shape[1]:
             x = F.pad(x, (0, K_run - x.shape[1]))
-        return _int4_mm(x.contiguous(), getattr(self, f"{key}_packed")[e], kg, getattr(self, f"{key}_scales_and_zeros")[e])
+        return _int4_mm(
+            x.contiguous(), getattr(self, f"{key}_packed")[e], kg, getattr(self, f"{key}_scales_and_zeros")[e]
+        )
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         _check_device(self, self.down_packed, self.layout, "Int4Experts")
         final = torch.zeros_like(hidden_states)
         T, k = top_k_index.shape
@@ -468,7 +492,10 @@ class Int4Experts(nn.Module):
 def _is_fused_experts(module: nn.Module) -> bool:
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return (
-        isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
         and hasattr(module, "act_fn")
     )
 
@@ -484,14 +511,18 @@ def convert_for_runtime(model: nn.Module, quantized: Iterable[str]) -> dict[str,
         try:
             old = model.get_submodule(path)
         except AttributeError as exc:
-            raise ModelError(f"quantized module {path!r} does not exist in the model; the checkpoint does not match it") from exc
+            raise ModelError(
+                f"quantized module {path!r} does not exist in the model; the checkpoint does not match it"
+            ) from exc
         if isinstance(old, nn.Linear):
             new: nn.Module = Int4Linear(old.in_features, old.out_features, bias=old.bias is not None)
         elif _is_fused_experts(old):
             E, two_i, H = old.gate_up_proj.shape
             new = Int4Experts(E, H, two_i // 2, old.act_fn)
         else:
-            raise ModelError(f"quantized module {path!r} is a {type(old).__name__}, not a Linear or fused experts module")
+            raise ModelError(
+                f"quantized module {path!r} is a {type(old).__name__}, not a Linear or fused experts module"
+            )
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
         shells[path] = new

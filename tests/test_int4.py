@@ -52,7 +52,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _random_codes(N: int, K: int, g: int, gen: torch.Generator, sym: bool = False):
     groups = pad_in_features(K, g) // g
     q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
-    z = torch.full((groups, N), 8, dtype=torch.int32) if sym else torch.randint(0, 16, (groups, N), generator=gen, dtype=torch.int32)
+    z = (
+        torch.full((groups, N), 8, dtype=torch.int32)
+        if sym
+        else torch.randint(0, 16, (groups, N), generator=gen, dtype=torch.int32)
+    )
     if not sym:
         z[0, :8] = torch.tensor([0, 5, 0, 15, 0, 0, 1, 0])  # zero points of 0 make the v1 "-1" borrow across nibbles
     s = torch.rand((groups, N), generator=gen) * 0.01 + 0.001
@@ -62,14 +66,18 @@ def _random_codes(N: int, K: int, g: int, gen: torch.Generator, sym: bool = Fals
 # ---------------------------------------------------------------- format
 
 
-@pytest.mark.parametrize("K,N,g,sym", [(256, 64, 128, False), (256, 64, 64, True), (200, 48, 128, False), (538, 72, 32, False)])
+@pytest.mark.parametrize(
+    "K,N,g,sym", [(256, 64, 128, False), (256, 64, 64, True), (200, 48, 128, False), (538, 72, 32, False)]
+)
 def test_pack_unpack_round_trip(K, N, g, sym):
     q, z, s = _random_codes(N, K, g, _gen(K + N))
     packed = pack_gptq_v1(q, z, s, g)
     K_pad = pad_in_features(K, g)
     assert packed["qweight"].shape == (K_pad // 8, N) and packed["qweight"].dtype == torch.int32
     assert packed["qzeros"].shape == (K_pad // g, N // 8) and packed["qzeros"].dtype == torch.int32
-    assert packed["scales"].dtype == torch.float16 and torch.equal(packed["g_idx"], torch.arange(K_pad, dtype=torch.int32) // g)
+    assert packed["scales"].dtype == torch.float16 and torch.equal(
+        packed["g_idx"], torch.arange(K_pad, dtype=torch.int32) // g
+    )
     q2, z2, s2, g2 = unpack_gptq_v1(packed)
     assert g2 == g
     assert torch.equal(q2[:, :K].int(), q)
@@ -89,7 +97,9 @@ def test_v1_zero_points_are_word_minus_0x11111111():
     assert torch.equal(decode_qzeros_v1(packed["qzeros"]).int(), z)
 
 
-@pytest.mark.parametrize("K,N,g,bias", [(256, 64, 128, False), (4304, 1152, 128, True), (200, 48, 64, True), (2048, 768, 32, False)])
+@pytest.mark.parametrize(
+    "K,N,g,bias", [(256, 64, 128, False), (4304, 1152, 128, True), (200, 48, 64, True), (2048, 768, 32, False)]
+)
 def test_gptq_v1_bytes_is_the_packed_size(K, N, g, bias):
     packed = random_gptq_v1(K, N, g, generator=_gen(1), bias=bias)
     assert gptq_v1_bytes(K, N, g, bias) == sum(t.nbytes for t in packed.values())
@@ -232,7 +242,11 @@ def _expert_checkpoint(gen: torch.Generator, hidden=H, inter=INTER, g=G) -> dict
     """A flat GPTQModel-style defused expert checkpoint: '{e}.gate_proj.qweight', ..."""
     flat = {}
     for e in range(E):
-        for proj, (K, N) in {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}.items():
+        for proj, (K, N) in {
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+        }.items():
             for key, t in random_gptq_v1(K, N, g, generator=gen).items():
                 flat[f"{e}.{proj}.{key}"] = t
     return flat
@@ -240,6 +254,7 @@ def _expert_checkpoint(gen: torch.Generator, hidden=H, inter=INTER, g=G) -> dict
 
 def _dequantized_experts(flat: Mapping[str, torch.Tensor], hidden=H, inter=INTER):
     """HF's fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
     def deq(e, proj, K):
         return dequantize_gptq_v1({k: flat[f"{e}.{proj}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, K)
 
@@ -289,7 +304,12 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol):
     hf.gate_up_proj.data, hf.down_proj.data = gate_up.clone(), down.clone()
     experts = Int4Experts.from_gptq(
         {k: v.to(device) for k, v in flat.items()},
-        num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=hf.act_fn, device=device, dtype=dtype,
+        num_experts=E,
+        hidden_dim=H,
+        intermediate_dim=INTER,
+        act_fn=hf.act_fn,
+        device=device,
+        dtype=dtype,
     )
     calls = []
     real_linear = experts._linear
@@ -313,11 +333,20 @@ def test_int4_experts_skip_sentinel_index_and_accept_per_expert_lists():
     gen = _gen(21)
     flat = _expert_checkpoint(gen)
     per_expert = [
-        {p: {k: flat[f"{e}.{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")} for p in ("gate_proj", "up_proj", "down_proj")}
+        {
+            p: {k: flat[f"{e}.{p}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         for e in range(E)
     ]
     experts = Int4Experts.from_gptq(
-        per_expert, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(), device="cpu", dtype=torch.float32
+        per_expert,
+        num_experts=E,
+        hidden_dim=H,
+        intermediate_dim=INTER,
+        act_fn=nn.SiLU(),
+        device="cpu",
+        dtype=torch.float32,
     )
     gate_up, down = _dequantized_experts(flat)
     x = torch.randn(9, H, generator=gen)
@@ -356,7 +385,9 @@ def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():
 def test_int4_experts_refuse_mismatched_checkpoint():
     flat = _expert_checkpoint(_gen(23))
     with pytest.raises(ModelError, match=r"experts\.0\.down_proj: .* does not match this model"):
-        Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER * 2, act_fn=nn.SiLU(), device="cpu")
+        Int4Experts.from_gptq(
+            flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER * 2, act_fn=nn.SiLU(), device="cpu"
+        )
     del flat["3.up_proj.qweight"]
     with pytest.raises(ModelError, match=r"experts\.3\.up_proj\.qweight missing"):
         Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(), device="cpu")
@@ -370,8 +401,12 @@ def _talker_block_cls_and_config():
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextSparseMoeBlock
 
     config = Qwen3OmniMoeTalkerTextConfig(
-        hidden_size=H, moe_intermediate_size=INTER, shared_expert_intermediate_size=96,
-        num_experts=E, num_experts_per_tok=TOPK, hidden_act="silu",
+        hidden_size=H,
+        moe_intermediate_size=INTER,
+        shared_expert_intermediate_size=96,
+        num_experts=E,
+        num_experts_per_tok=TOPK,
+        hidden_act="silu",
     )
     config._experts_implementation = "eager"
     return Qwen3OmniMoeTalkerTextSparseMoeBlock, config
@@ -399,7 +434,9 @@ def test_convert_for_runtime_then_load_matches_hf_block(which, dtype, tol):
             checkpoint.update({f"experts.{e}.{proj}.{k}": v for k, v in quantize_rtn(W, group_size=G).items()})
     linears = [n for n, m in original.named_modules() if isinstance(m, nn.Linear) and n.startswith("shared_expert.")]
     for name in linears:
-        checkpoint.update({f"{name}.{k}": v for k, v in quantize_rtn(original.get_submodule(name).weight.data, group_size=G).items()})
+        checkpoint.update(
+            {f"{name}.{k}": v for k, v in quantize_rtn(original.get_submodule(name).weight.data, group_size=G).items()}
+        )
     paths = quantized_module_paths(checkpoint)
     assert paths == {"experts", *linears}
 
@@ -410,7 +447,9 @@ def test_convert_for_runtime_then_load_matches_hf_block(which, dtype, tol):
     reference.experts.gate_up_proj.data, reference.experts.down_proj.data = gate_up, down
     for name in linears:
         mod = reference.get_submodule(name)
-        mod.weight.data = dequantize_gptq_v1({k: checkpoint[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, mod.in_features)
+        mod.weight.data = dequantize_gptq_v1(
+            {k: checkpoint[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx")}, mod.in_features
+        )
     reference = reference.to(dtype)
 
     # The loader's flow: skeleton on meta, shells, materialize the rest, fill the shells.
@@ -421,9 +460,13 @@ def test_convert_for_runtime_then_load_matches_hf_block(which, dtype, tol):
     assert all(t.device.type == "meta" for t in block.parameters())  # the shells allocated nothing
     assert not any(True for s in shells.values() for _ in s.buffers())
     block = block.to_empty(device="cpu")
-    block.load_state_dict({k: v for k, v in reference.state_dict().items() if k in dict(block.named_parameters())}, strict=False)
+    block.load_state_dict(
+        {k: v for k, v in reference.state_dict().items() if k in dict(block.named_parameters())}, strict=False
+    )
     for path, shell in shells.items():
-        load_int4_module(shell, {k: checkpoint[f"{path}.{k}"] for k in int4_tensor_keys(shell)}, "cpu", dtype, name=path)
+        load_int4_module(
+            shell, {k: checkpoint[f"{path}.{k}"] for k in int4_tensor_keys(shell)}, "cpu", dtype, name=path
+        )
     block = block.to(dtype)
 
     x = torch.randn(3, 11, H, generator=_gen(31)).to(dtype)
@@ -485,7 +528,9 @@ def _gptqmodel_pack(api, q, z, s, g, bias, packer):
     lin.weight.data = (q.float() - z.t().float()[:, grp]) * s.t()[:, grp]
     if bias is not None:
         lin.bias.data = bias.float()
-    m = api.TorchLinear(bits=4, group_size=g, sym=False, desc_act=False, in_features=K, out_features=N, bias=bias is not None)
+    m = api.TorchLinear(
+        bits=4, group_size=g, sym=False, desc_act=False, in_features=K, out_features=N, bias=bias is not None
+    )
     getattr(m, packer)(lin, s.t().contiguous(), z.t().float().contiguous(), grp.to(torch.int32))
     # Its v2->v1 export reads bits/pack_dtype off the module; a stand-in config avoids QuantizeConfig's temp dirs.
     api.v2_to_v1(m, types.SimpleNamespace(bits=4, pack_dtype=torch.int32))
@@ -530,5 +575,5 @@ def test_defuser_names_experts_like_our_format(gptqmodel_api):
     assert {"experts.0.gate_proj", "experts.0.up_proj", "experts.0.down_proj", f"experts.{E - 1}.down_proj"} <= linears
     assert quantized_module_paths(f"{n}.qweight" for n in linears) == {"experts"}
     assert set(int4_tensor_keys(Int4Experts(E, H, INTER, nn.SiLU()))) == {
-        f"{n}.{k}"[len("experts."):] for n in linears for k in ("qweight", "qzeros", "scales", "g_idx")
+        f"{n}.{k}"[len("experts.") :] for n in linears for k in ("qweight", "qzeros", "scales", "g_idx")
     }

@@ -146,6 +146,11 @@ def test_verify_check_catches_a_broken_unit(analyze_root):
         analyze(analyze_root, text, "broken")
 
 
+def test_security_check_catches_an_unhardened_unit(analyze_root):
+    bare = f'[Service]\nType=notify\nExecStart="{SCRIPT}" serve\n\n[Install]\nWantedBy=multi-user.target\n'
+    assert analyze(analyze_root, bare, "bare") > EXPOSURE_LIMIT
+
+
 def test_installed_files_verify_cleanly(analyze_root, tmp_path, model_dir):
     """What install-service writes (real interpreter, real probes) passes verify too."""
     stage = tmp_path / "stage"

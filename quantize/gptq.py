@@ -1,0 +1,173 @@
+"""The quantization math of one weight matrix: GPTQ through GPTQModel's solver, the RTN baseline, and the
+output error both leave on held-out inputs. No model structure and no calibration capture here.
+
+GPTQModel 7.6.0's ``gptqmodel.quantization.gptq.GPTQ`` is used directly: ``add_batch`` accumulates the
+Hessian ``2/n * X^T X`` of a Linear's inputs, ``quantize`` runs the blocked GPTQ update and returns the
+fake-quantized weight with per-group scales and zero points. Its whole-model pipeline is not used (see
+quantize/adapters.py for why); calibration inputs come from quantize/capture.py.
+
+A weight whose in_features K is not a multiple of the group size is quantized zero-padded to K_pad: the padded
+input columns are zero, so their Hessian rows and columns are zero and GPTQ treats them as dead columns
+(weight forced to 0, which quantizes exactly to the group's zero point); the checkpoint then stores K_pad
+columns and the device feeds zeros there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from orin.gptq_format import pack_gptq_v1, pad_in_features, quantize_rtn, unpack_gptq_v1
+
+from .adapters import PINNED, layout_error
+
+MAXQ = 15
+DEFAULT_DAMP = 0.05  # GPTQModel 7.6.0's default damp_percent for GPTQ
+
+
+def import_gptq():
+    """GPTQModel's GPTQ class and config factory, with its version checked (the API moved between releases).
+
+    Importing gptqmodel prints a banner and sets PYTORCH_ALLOC_CONF / CUDA_DEVICE_ORDER in os.environ; the
+    banner goes to a buffer, the environment changes are GPTQModel's own and harmless here."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            import gptqmodel
+            from gptqmodel.quantization.config import QuantizeConfig
+            from gptqmodel.quantization.gptq import GPTQ
+    except ImportError as exc:
+        raise layout_error(f"gptqmodel cannot be imported ({exc})") from exc
+    version = getattr(gptqmodel, "__version__", "?")
+    if version != PINNED["gptqmodel"]:
+        raise layout_error(f"gptqmodel {version} is installed")
+    # Its logger reports every module it quantizes at INFO; quantize reports progress itself.
+    logging.getLogger("gptqmodel").setLevel(logging.WARNING)
+    return GPTQ, QuantizeConfig
+
+
+@dataclass
+class QuantResult:
+    """4-bit codes of one [N, K] weight with per-group asymmetric scales and zero points."""
+
+    codes: torch.Tensor  # uint8 [N, K] (unpadded)
+    zeros: torch.Tensor  # uint8 [G, N]
+    scales: torch.Tensor  # float16 [G, N]
+    group_size: int
+    method: str  # "gptq" or "rtn"
+    nsamples: int = 0
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: exactly what the device computes from the stored tensors."""
+        K = self.codes.shape[1]
+        group = torch.arange(K, device=self.codes.device) // self.group_size
+        z = self.zeros.float()[group].t()
+        s = self.scales.float()[group].t()
+        return (self.codes.float() - z) * s
+
+    def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return pack_gptq_v1(self.codes, self.zeros, self.scales, self.group_size, bias)
+
+
+class GPTQSolver:
+    """GPTQ for one run's parameters (bits, group size, damping) on one device."""
+
+    def __init__(self, bits: int, group_size: int, damp: float = DEFAULT_DAMP, device: str | torch.device = "cpu"):
+        gptq_cls, config_factory = import_gptq()
+        self._gptq = gptq_cls
+        self.group_size = group_size
+        self.bits = bits
+        self.device = torch.device(device)
+        # Plain GPTQ in natural column order (desc_act=False, no group-aware reordering), asymmetric, so g_idx
+        # is arange(K)//g as the device kernels need. GPTQModel's own low-sample fallback is off: the caller
+        # decides per expert (see quantize/sequential.py), and the report lists those decisions.
+        self.qcfg = config_factory(bits=bits, group_size=group_size, sym=False, desc_act=False,
+                                   act_group_aware=False, damp_percent=damp, fallback=None,
+                                   offload_to_disk=False, mse=0.0)
+
+    def task(self, weight: torch.Tensor) -> GPTQTask:
+        return GPTQTask(self, weight)
+
+
+class GPTQTask:
+    """One weight matrix's Hessian accumulation and GPTQ solve."""
+
+    def __init__(self, solver: GPTQSolver, weight: torch.Tensor):
+        self.solver = solver
+        self.N, self.K = weight.shape
+        self.K_pad = pad_in_features(self.K, solver.group_size)
+        w = weight.detach().to(solver.device, torch.float32)
+        if self.K_pad > self.K:
+            w = torch.nn.functional.pad(w, (0, self.K_pad - self.K))
+        linear = torch.nn.Linear(self.K_pad, self.N, bias=False, device=solver.device, dtype=torch.float32)
+        linear.weight.data = w
+        self._gptq = solver._gptq(linear, solver.qcfg)
+        self._gptq.quantizer.configure(perchannel=True)
+
+    @property
+    def nsamples(self) -> int:
+        return int(self._gptq.nsamples)
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate inputs x [rows, K] (any float dtype) into the Hessian."""
+        if x.numel() == 0:
+            return
+        x = x.reshape(-1, self.K).to(self.solver.device)
+        if self.K_pad > self.K:
+            x = torch.nn.functional.pad(x, (0, self.K_pad - self.K))
+        self._gptq.add_batch(x, None)
+
+    def adopt(self, leader: GPTQTask) -> None:
+        """Use `leader`'s Hessian (same inputs: q/k/v, gate/up); call before either is solved."""
+        self._gptq.adopt_hessian_from(leader._gptq)
+
+    def solve(self) -> QuantResult:
+        q, scale, zero, _g_idx, _t, _loss, _damp, nsamples = self._gptq.quantize()
+        g = self.solver.group_size
+        # GPTQ returns the fake-quantized weight with fp32 [N, groups] scale/zero; recover the integer codes.
+        scale_col = scale.repeat_interleave(g, dim=1)[:, : self.K_pad]
+        zero_col = zero.repeat_interleave(g, dim=1)[:, : self.K_pad]
+        codes = torch.clamp(torch.round(q.float() / scale_col) + zero_col, 0, MAXQ)[:, : self.K]
+        scales = scale.t().to(torch.float16).clamp(min=torch.finfo(torch.float16).tiny)
+        self._gptq.free()
+        return QuantResult(codes.to(torch.uint8), zero.t().round().clamp(0, MAXQ).to(torch.uint8), scales, g,
+                           "gptq", int(nsamples))
+
+
+def rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantResult:
+    """Round-to-nearest with the same grid (the baseline GPTQ has to beat)."""
+    packed = quantize_rtn(weight.detach().float(), bits, group_size)
+    codes, zeros, scales, g = unpack_gptq_v1(packed)
+    return QuantResult(codes[:, : weight.shape[1]].contiguous(), zeros, scales, g, "rtn")
+
+
+@dataclass
+class ErrorSums:
+    """Sums for a pooled relative Frobenius error ||X(W_q - W)^T|| / ||X W^T|| over many matrices."""
+
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    rows: int = 0
+
+    def add(self, other: ErrorSums) -> None:
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
+        self.rows += other.rows
+
+    @property
+    def relative(self) -> float | None:
+        return (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq > 0 else None
+
+
+def output_error(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor) -> ErrorSums:
+    """Squared output error of `approx` against `weight` on inputs x [rows, K], in float32."""
+    if x.numel() == 0:
+        return ErrorSums()
+    x = x.reshape(-1, weight.shape[1]).float()
+    w = weight.float().to(x.device)
+    ref = x @ w.t()
+    err = x @ (approx.float().to(x.device) - w).t()
+    return ErrorSums(float(err.pow(2).sum()), float(ref.pow(2).sum()), x.shape[0])

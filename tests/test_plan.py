@@ -1,0 +1,166 @@
+"""`orin-omni plan`: numbers checked against hand arithmetic from the configs, and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from orin.cli import cli
+from orin.layout import gptq_v1_bytes
+from orin.plan import PlanConfig, audio_tokens, make_plan
+
+
+def _thinker_text_params(t: dict) -> int:
+    """Thinker text decoder parameters from its dimensions alone."""
+    h, hd, q, kv, e, i, v = (t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"],
+                             t["num_experts"], t["moe_intermediate_size"], t["vocab_size"])
+    attn = h * q * hd * 2 + h * kv * hd * 2 + 2 * hd  # q,o + k,v + q_norm,k_norm
+    experts = e * 3 * h * i
+    layer = attn + experts + e * h + 2 * h  # + router + two RMSNorms
+    return t["num_hidden_layers"] * layer + 2 * v * h + h  # + embed, lm_head, final norm
+
+
+def _thinker_text_int4(t: dict, g: int) -> int:
+    """INT4 file bytes of the thinker text decoder: GPTQ v1 attention and experts, the rest BF16."""
+    h, hd, q, kv, e, i, v = (t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"],
+                             t["num_experts"], t["moe_intermediate_size"], t["vocab_size"])
+    quant = (gptq_v1_bytes(h, q * hd, g, False) * 1 + gptq_v1_bytes(h, kv * hd, g, False) * 2
+             + gptq_v1_bytes(q * hd, h, g, False) + e * (2 * gptq_v1_bytes(h, i, g, False) + gptq_v1_bytes(i, h, g, False)))
+    bf16 = (2 * hd + e * h + 2 * h) * 2
+    return t["num_hidden_layers"] * (quant + bf16) + (2 * v * h + h) * 2
+
+
+def test_real_config_total_and_thinker(real_config):
+    cfg = json.load(open(real_config))
+    result = make_plan(PlanConfig(model=real_config)).to_json()
+    assert result["total_params"] == 35_259_818_545
+    t = cfg["thinker_config"]["text_config"]
+    thinker = result["components"]["thinker_text"]
+    assert thinker["params"] == _thinker_text_params(t) == 30_532_646_912
+    assert thinker["bf16_bytes"] == 2 * thinker["params"]
+    assert thinker["int4_bytes"] == _thinker_text_int4(t, 128)
+    # ~15.7 GiB: the published arithmetic for INT4 g128 thinker with BF16 embeddings/lm_head
+    assert 15.6 < thinker["int4_bytes"] / 2**30 < 15.9
+    segs = result["segments"]
+    assert segs["thinker"]["components"] == ["audio_encoder", "thinker_text"]
+    assert segs["thinker"]["params"] + segs["talker_vision"]["params"] == 35_259_818_545
+    for seg in segs.values():
+        assert set(seg) >= {"params", "bf16_bytes", "int4_bytes"}
+
+
+def test_real_config_vision_padding(real_config):
+    result = make_plan(PlanConfig(model=real_config)).to_json()
+    assert result["padded_layers"] == [{"in_features": 4304, "padded_in_features": 4352, "layers": 27}]
+    vis = result["components"]["vision_encoder"]
+    assert vis["int4_bytes"] < vis["bf16_bytes"] / 2
+
+
+def test_real_request_tokens_and_kv(real_config):
+    cfg = json.load(open(real_config))
+    result = make_plan(PlanConfig(model=real_config)).to_json()
+    req = result["request"]
+    # 30 s audio -> 390 tokens, one 224x224 image -> 49, plus the chat template: 467 prompt tokens.
+    assert req["tokens"]["audio"] == 390 == audio_tokens(30, 50)
+    assert req["tokens"]["image"] == 49
+    assert req["tokens"]["prompt"] == 467
+    t = cfg["thinker_config"]["text_config"]
+    per_token = t["num_hidden_layers"] * 2 * t["num_key_value_heads"] * t["head_dim"] * 2
+    assert req["kv_by_component"]["thinker_text"] == per_token * (467 + 256)
+    assert req["activation_bytes"] > 0
+    assert result["fits"] == {"all_resident": True, "time_sliced": True, "streaming": True}
+    assert result["peak_bytes"] <= 24 * 2**30
+
+
+def test_verdicts_change_with_budget(real_config):
+    sliced = make_plan(PlanConfig(model=real_config, budget=19 * 2**30)).to_json()
+    assert sliced["fits"]["all_resident"] is False and sliced["fits"]["time_sliced"] is True
+    assert sliced["peak_bytes"] <= 19 * 2**30
+    assert [s["name"] for s in sliced["schedule"]][0] == "encode"
+    sequential = make_plan(PlanConfig(model=real_config, budget=17 * 2**30)).to_json()
+    assert sequential["fits"]["time_sliced"] is True and sequential["fits"]["streaming"] is False
+    nofit = make_plan(PlanConfig(model=real_config, budget=8 * 2**30)).to_json()
+    assert nofit["fits"] == {"all_resident": False, "time_sliced": False, "streaming": False}
+    assert "thinker_text" in nofit["verdict"]
+    text_only = make_plan(PlanConfig(model=real_config, audio_seconds=0, images=0, speech=False)).to_json()
+    assert text_only["request"]["needed"] == ["thinker_text"]
+
+
+def test_tiny_model_plan(tiny_model_dir):
+    cfg = json.load(open(f"{tiny_model_dir}/config.json"))
+    result = make_plan(PlanConfig(model=tiny_model_dir, audio_seconds=3, budget=64 * 2**20)).to_json()
+    t = cfg["thinker_config"]["text_config"]
+    assert result["components"]["thinker_text"]["params"] == _thinker_text_params(t)
+    assert result["components"]["thinker_text"]["int4_bytes"] == _thinker_text_int4(t, 128)
+    # The tiny vision MLP is 200 wide, padded to 256 like the real 4304 -> 4352.
+    assert result["padded_layers"] == [{"in_features": 200, "padded_in_features": 256, "layers": 3}]
+    assert result["request"]["tokens"]["audio"] == audio_tokens(3, 50) == 39
+    import torch  # noqa: F401  (the tiny model itself, for the total)
+    from orin.tiny import build_tiny_model
+
+    model = build_tiny_model(0)
+    assert result["total_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_cli_plan_json_and_table(real_config):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["plan", real_config, "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    for key in ("components", "segments", "request", "fits", "peak_bytes"):
+        assert key in data
+    assert set(data["request"]) >= {"tokens", "kv_bytes", "activation_bytes"}
+    assert set(data["fits"]) >= {"all_resident", "time_sliced"}
+    table = runner.invoke(cli, ["plan", real_config, "--budget", "18GiB", "--no-speech"])
+    assert table.exit_code == 0, table.output
+    assert "35,259,818,545" in table.output and "thinker text decoder" in table.output
+
+
+def test_cli_segment_split(real_config):
+    res = CliRunner().invoke(cli, ["plan", real_config, "--json", "--segments",
+                                   "a=thinker_text;b=audio_encoder+vision_encoder;c=talker+code_predictor+code2wav"])
+    assert res.exit_code == 0, res.output
+    assert list(json.loads(res.output)["segments"]) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("budget", ["24GB", "24 GiB", "abc", "-1", "0"])
+def test_bad_budget(real_config, budget):
+    res = CliRunner().invoke(cli, ["plan", real_config, "--budget", budget])
+    assert res.exit_code == 2
+    assert "budget" in res.output.lower() and budget.strip() in res.output
+
+
+@pytest.mark.parametrize("spec, word", [
+    ("thinker=audio_encoder+thinker_text+warp_drive;talker_vision=vision_encoder+talker+code_predictor+code2wav",
+     "warp_drive"),
+    ("thinker=audio_encoder+thinker_text;talker_vision=vision_encoder+talker+code_predictor", "code2wav"),
+    ("thinker=audio_encoder+thinker_text;x=thinker_text+vision_encoder+talker+code_predictor+code2wav", "both"),
+])
+def test_bad_segment_split(real_config, spec, word):
+    res = CliRunner().invoke(cli, ["plan", real_config, "--segments", spec])
+    assert res.exit_code == 2
+    assert word in res.output
+
+
+def test_bad_model_paths(tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["plan", str(tmp_path / "nope")])
+    assert missing.exit_code == 1 and "no such file" in missing.output
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({"model_type": "llama"}))
+    res = runner.invoke(cli, ["plan", str(other)])
+    assert res.exit_code == 1 and "llama" in res.output and "Qwen3-Omni" in res.output
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    res = runner.invoke(cli, ["plan", str(empty)])
+    assert res.exit_code == 1 and "no config.json" in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    res = runner.invoke(cli, ["plan", str(bad)])
+    assert res.exit_code == 1 and "JSON" in res.output
+
+
+def test_bad_group_size(real_config):
+    res = CliRunner().invoke(cli, ["plan", real_config, "--group-size", "100"])
+    assert res.exit_code == 2 and "100" in res.output
