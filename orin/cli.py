@@ -194,6 +194,123 @@ def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_n
     ))
 
 
+_POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
+
+
+@cli.command("serve")
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="Checkpoint to serve.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="0 picks a free port (logged, and sent to systemd in STATUS=).")
+@click.option("--budget", type=SIZE, default=None, help="GPU memory budget; components are time-sliced under it.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="File with the accepted API keys, one a line; clients send 'Authorization: Bearer KEY'.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Requests that may wait for the GPU; more get HTTP 429.")
+@click.option("--allow-dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Allow file:// image URLs under this directory (default: refused).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
+@click.option("--power-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=10.0, show_default=True)
+@click.option("--sysfs-root", type=click.Path(file_okay=False), default="/sys", show_default=True)
+@click.option("--verify-checksums/--no-verify-checksums", default=True, show_default=True,
+              help="Check every file's sha256 against the manifest before loading.")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="Run one short request before reporting ready.")
+@click.option("--max-body", type=SIZE, default="64MiB", show_default=True, help="Largest request body.")
+@click.option("--max-audio-seconds", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True)
+@click.option("--max-image-pixels", type=click.IntRange(min=1), default=32 * 1024 * 1024, show_default=True)
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="On SIGTERM, how long the request in flight may run before it is cancelled.")
+def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
+              sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, drain_seconds):
+    """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
+    from .server import ServeConfig, serve
+
+    serve(ServeConfig(
+        model_dir=model_dir, host=host, port=port, budget=budget, api_key_file=api_key_file, max_queue=max_queue,
+        allow_dir=allow_dir, device=device, power_backend=power_backend, power_hz=power_hz, sysfs_root=sysfs_root,
+        verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
+        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels, drain_s=drain_seconds,
+    ))
+
+
+@cli.command("smoke")
+@click.option("--url", default=None, help="A running server, e.g. http://127.0.0.1:8000.")
+@click.option("--model-dir", type=click.Path(file_okay=False), default=None, help="Run the engine in-process instead.")
+@click.option("--budget", type=SIZE, default=None,
+              help="GPU memory budget (in-process); also the peak-memory limit unless --max-peak is given.")
+@click.option("--max-ttft", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Fail when the time to first token exceeds this many seconds.")
+@click.option("--max-peak", type=SIZE, default=None,
+              help="Fail when a request's peak memory exceeds this (default: the budget).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None, help="Key for --url.")
+@click.option("--voice", default=None, help="Voice for the speech request (default: the model's).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Seconds to wait for each HTTP request.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.pass_context
+def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voice, device, power_backend, timeout_s,
+              as_json):
+    """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text and speech requests,
+    TTFT, peak memory, WAV output, power. Exits 1 if any check fails."""
+    from .smoke import SmokeConfig, render_table, run_smoke
+
+    result = run_smoke(SmokeConfig(
+        url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
+        voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s,
+    ))
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
+    if not result.ok:
+        ctx.exit(1)
+
+
+@cli.command("bench")
+@click.option("--config", "config", default=None,
+              help="With --synthetic: a Qwen3-Omni config.json (or checkpoint dir), or 'tiny'.")
+@click.option("--model-dir", type=click.Path(file_okay=False), default=None,
+              help="Benchmark an existing quantized checkpoint instead of a synthetic one.")
+@click.option("--synthetic", is_flag=True, help="Write a random-weight INT4 checkpoint at the config's dimensions.")
+@click.option("--workdir", type=click.Path(file_okay=False), default="build/bench", show_default=True,
+              help="Where the synthetic checkpoint is written.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--audio-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True)
+@click.option("--images", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--image-size", type=click.IntRange(min=32), default=224, show_default=True)
+@click.option("--text-tokens", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Text tokens generated (EOS ignored).")
+@click.option("--audio-frames", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Codec frames generated (0: no speech).")
+@click.option("--budget-sliced", type=SIZE, default="18GiB", show_default=True,
+              help="Memory budget of the time-sliced run.")
+@click.option("--skip-hf", is_flag=True, help="Do not run the HF transformers BF16 reference.")
+@click.option("--skip-sliced", is_flag=True, help="Do not run the time-sliced engine.")
+@click.option("--decode", "decode_modes", default="eager,graph", show_default=True,
+              help="Thinker decode modes to measure all-resident (eager, static, graph), comma-separated.")
+@click.option("--profile/--no-profile", default=True, show_default=True, help="torch.profiler pass (CUDA only).")
+@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="Write the full results here (rewritten after each part).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
+              audio_frames, budget_sliced, skip_hf, skip_sliced, decode_modes, profile, power_backend, json_out,
+              seed):
+    """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
+    and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps."""
+    from .bench import BenchConfig, render_table, run_bench
+
+    result = run_bench(BenchConfig(
+        config=config, model_dir=model_dir, synthetic=synthetic, workdir=workdir, device=device,
+        audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
+        audio_frames=audio_frames, budget_sliced=budget_sliced, skip_hf=skip_hf, skip_sliced=skip_sliced,
+        decode_modes=_csv(decode_modes) or ("eager",), profile=profile, power_backend=power_backend,
+        json_out=json_out, seed=seed,
+    ), log_fn=lambda m: click.echo(m, err=True))
+    click.echo(render_table(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="orin-omni")
 

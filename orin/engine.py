@@ -24,6 +24,7 @@ from .errors import InputError, ModelError, UsageError
 
 log = logging.getLogger("orin.engine")
 SAMPLE_RATE = 24000
+DECODE_MODES = ("eager", "static", "graph")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class EngineConfig:
     verify_checksums: bool = True
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     prefetch: bool = True
+    # Thinker decode: "eager" = HF modules with a dynamic cache; "static" = orin.fastdecode (static KV cache,
+    # fused INT4 MoE, no host sync); "graph" = "static" captured in a CUDA graph (CUDA only; "static" on CPU).
+    decode: str = "eager"
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,10 @@ class Engine:
         self.meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend, hz=cfg.power_hz,
                                                         sysfs_root=cfg.sysfs_root)).start()
         self._lock = threading.Lock()
+        if cfg.decode not in DECODE_MODES:
+            raise UsageError(f"decode mode {cfg.decode!r}: use one of {', '.join(DECODE_MODES)}")
+        self.decode = cfg.decode  # may be switched between requests (the benchmark compares the modes)
+        self._decoder = None
 
     # ------------------------------------------------------------------ public API
 
@@ -186,6 +194,7 @@ class Engine:
                     yield from self._pipeline(run, prompt, verdict)
                 except Cancelled:
                     log.info("request cancelled by the client after %d tokens", len(run.tokens))
+            self.last_frames = list(run.frames)  # the codec frames of the last request (tests, debugging)
             yield Done(self._report(run, prompt, verdict, measurement.report))
 
     # ------------------------------------------------------------------ preparation
@@ -296,14 +305,15 @@ class Engine:
         encoders = tuple(c for c in ("audio_encoder", "vision_encoder") if c in verdict.needed)
 
         audio_feats, image_out = None, None
-        if encoders:
-            self._stage(encoders, next_comps=think_comps)
+        enc_stages = [s for s in stages if s and set(s) <= set(encoders)]
+        for i, comps in enumerate(enc_stages):
+            self._stage(comps, next_comps=enc_stages[i + 1] if i + 1 < len(enc_stages) else think_comps)
             with self.meter.stage("encode"):
-                if prompt.has_audio:
+                if "audio_encoder" in comps:
                     audio_feats = thinker.model.get_audio_features(
                         inputs["input_features"].to(self.dtype), inputs["feature_attention_mask"], return_dict=True,
                     ).last_hidden_state
-                if prompt.has_image:
+                if "vision_encoder" in comps:
                     image_out = thinker.model.get_image_features(
                         inputs["pixel_values"].to(self.dtype), inputs["image_grid_thw"], return_dict=True)
             self._check(run)
@@ -313,6 +323,8 @@ class Engine:
         ids = inputs["input_ids"]
         with self.meter.stage("thinker_prefill"):
             cache, hidden_states, logits = self._thinker_prefill(inputs, ids, audio_feats, image_out, req.speech)
+        if self.decode != "eager":
+            cache = self._fast_decoder().start(cache, int(ids.shape[1]) + req.max_new_tokens)
         token = self._sample(logits, req.temperature, req.top_p, gen)
         run.ttft = time.perf_counter() - run.t0
         run.decode_start = time.perf_counter()
@@ -391,9 +403,19 @@ class Engine:
         logits = thinker.lm_head(out.last_hidden_state[:, -1:])
         return cache, out.hidden_states, logits[:, -1]
 
+    def _fast_decoder(self):
+        from .fastdecode import ThinkerDecoder
+
+        if self._decoder is None:
+            self._decoder = ThinkerDecoder(self.model, self.device)
+        self._decoder.graph_enabled = self.decode == "graph" and self.device.type == "cuda"
+        return self._decoder
+
     def _thinker_step(self, token: int, cache):
         import torch
 
+        if not hasattr(cache, "get_seq_length"):  # orin.fastdecode.ThinkerDecoder
+            return cache.step(token)
         thinker = self.model.thinker
         tok = torch.tensor([[token]], device=self.device)
         embeds = thinker.model.get_input_embeddings()(tok)
@@ -589,6 +611,8 @@ class _Talker:
         suppress = torch.arange(vocab - 1024, vocab, device=logits.device)
         suppress = suppress[suppress != tk.codec_eos_token_id]
         logits[:, suppress] = -float("inf")
+        if self.run.req.ignore_eos:  # fixed lengths: speech ends at max_audio_frames, as HF's min_new_tokens does
+            logits[:, tk.codec_eos_token_id] = -float("inf")
         temp = self.run.req.talker_temperature
         if temp <= 0:
             return int(torch.argmax(logits, dim=-1)[0])

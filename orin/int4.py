@@ -36,6 +36,7 @@ Buffers are non-persistent: ``state_dict()`` never mixes kernel layouts with che
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -87,8 +88,11 @@ def _cuda_codes_bytes(qweight: torch.Tensor) -> torch.Tensor:
     A little-endian int32 word's byte b holds codes 2b (low nibble) and 2b+1 (high): a nibble swap suffices,
     with 0.5 byte per weight of transient memory.
     """
+    if sys.byteorder != "little":
+        raise RuntimeError("the INT4 CUDA repacking assumes a little-endian host")
     b = qweight.t().contiguous().view(torch.uint8)
-    return ((b & 0x0F) << 4) | (b >> 4)
+    high = b >> 4
+    return b.bitwise_and_(0x0F).bitwise_left_shift_(4).bitwise_or_(high)
 
 
 def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
@@ -133,7 +137,8 @@ def _to_kernel(
     N_pad = -(-N // N_ALIGN) * N_ALIGN
     kg = kernel_group_size(g)
     # Padded input rows hold code 0 (their activations are zero); padded outputs have scale 0 and are sliced off.
-    qweight = F.pad(qweight, (0, N_pad - N, 0, (K_run - K_pack) // 8))
+    if N_pad > N or K_run > K_pack:
+        qweight = F.pad(qweight, (0, N_pad - N, 0, (K_run - K_pack) // 8))
     if layout == "cuda":
         weight = torch.ops.aten._convert_weight_to_int4pack(_cuda_codes_bytes(qweight), _inner_k_tiles(K_run))
     else:
@@ -154,7 +159,7 @@ def _int4_mm(x2: torch.Tensor, weight: torch.Tensor, kernel_group: int, sz: torc
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, kernel_group, sz)
 
 
-def _check_device(module: nn.Module, tensor: torch.Tensor | None, layout: str | None, what: str) -> None:
+def _check_device(tensor: torch.Tensor | None, layout: str | None, what: str) -> None:
     if tensor is None:
         raise RuntimeError(f"{what} is not loaded: call load_int4_module() on it first")
     if tensor.device.type != layout:
@@ -200,7 +205,6 @@ class Int4Linear(nn.Module):
         self.padded_in_features: int | None = None
         self.padded_out_features: int | None = None
         self.layout: str | None = None
-        self.compute_dtype: torch.dtype | None = None
         self.register_buffer("weight_packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
@@ -208,6 +212,11 @@ class Int4Linear(nn.Module):
     @property
     def is_loaded(self) -> bool:
         return self.weight_packed is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The kernel's activation dtype: that of scales_and_zeros (``model.to(dtype)`` converts it)."""
+        return None if self.scales_and_zeros is None else self.scales_and_zeros.dtype
 
     def tensor_keys(self) -> list[str]:
         """Checkpoint keys, relative to this module's path, that ``load_gptq_`` reads."""
@@ -221,8 +230,15 @@ class Int4Linear(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         name: str = "layer",
     ) -> Int4Linear:
-        """Fill this module from the GPTQ v1 tensors of one layer (``name`` is its path, for error messages)."""
+        """Fill this module from the GPTQ v1 tensors of one layer (``name`` is its path, for error messages).
+
+        ``dtype`` is the compute dtype (bf16, fp16 or fp32 on CPU; always bf16 on CUDA, the kernel's only one).
+        On failure (ModelError naming the tensor) the module is left empty.
+        """
         device = torch.device(device)
+        self.unload_()  # never hold the old and the new buffers at once
+        if self.has_bias and "bias" not in tensors:
+            raise ModelError(f"{name}.bias missing from the checkpoint; re-run orin-omni quantize")
         kw = _to_kernel(tensors, self.in_features, device, dtype, name)
         if kw.N != self.out_features:
             raise ModelError(
@@ -233,11 +249,7 @@ class Int4Linear(nn.Module):
         self.group_size, self.kernel_group_size = kw.group, kw.kernel_group
         self.padded_in_features, self.padded_out_features = kw.K_run, kw.N_pad
         self.layout = device.type
-        self.compute_dtype = kw.scales_and_zeros.dtype
-        if self.has_bias:
-            if "bias" not in tensors:
-                raise ModelError(f"{name}.bias missing from the checkpoint; re-run orin-omni quantize")
-            self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype)
+        self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype) if self.has_bias else None
         return self
 
     def unload_(self) -> None:
@@ -257,7 +269,7 @@ class Int4Linear(nn.Module):
         return module.load_gptq_(tensors, device, dtype, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_device(self, self.weight_packed, self.layout, "Int4Linear")
+        _check_device(self.weight_packed, self.layout, "Int4Linear")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.compute_dtype:
@@ -274,7 +286,7 @@ class Int4Linear(nn.Module):
     @torch.no_grad()
     def dequantized_weight(self, chunk: int = 512) -> torch.Tensor:
         """The float32 weight [out, in] the kernel actually uses, read back by multiplying identity blocks."""
-        _check_device(self, self.weight_packed, self.layout, "Int4Linear")
+        _check_device(self.weight_packed, self.layout, "Int4Linear")
         K, dev = self.padded_in_features, self.weight_packed.device
         cols = []
         for k0 in range(0, self.in_features, chunk):
@@ -294,7 +306,7 @@ class Int4Linear(nn.Module):
 
 def _expert_tensors(source, e: int, proj: str, prefix: str) -> Mapping[str, torch.Tensor]:
     if isinstance(source, Sequence):
-        return source[e][proj]
+        return source[e].get(proj, {})
     return _Prefixed(source, f"{prefix}{e}.{proj}.")
 
 
@@ -329,9 +341,9 @@ def _fuse_gate_up(
                 f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize"
             )
         a, b = gate[key].to(device), up[key].to(device)
+        if key == "g_idx" and not torch.equal(a, b):
+            raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
         fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
-    if not torch.equal(gate["g_idx"].to(device), up["g_idx"].to(device)):
-        raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
     return fused
 
 
@@ -351,15 +363,20 @@ class Int4Experts(nn.Module):
         self.intermediate_dim = intermediate_dim
         self.act_fn = act_fn
         self.layout: str | None = None
-        self.compute_dtype: torch.dtype | None = None
         self.group_size: int | None = None
         self._geom: dict[str, tuple[int, int, int]] = {}  # proj -> (kernel group, K_run, N_pad)
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
         for buf in ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros"):
             self.register_buffer(buf, None, persistent=False)
 
     @property
     def is_loaded(self) -> bool:
         return self.down_packed is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The kernel's activation dtype: that of the scales_and_zeros buffers (``model.to(dtype)`` converts them)."""
+        return None if self.down_scales_and_zeros is None else self.down_scales_and_zeros.dtype
 
     def tensor_keys(self) -> list[str]:
         """Checkpoint keys, relative to this module's path (GPTQModel's defused layout ``{e}.gate_proj.qweight``)."""
@@ -378,10 +395,11 @@ class Int4Experts(nn.Module):
         or a flat mapping with keys ``f"{prefix}{e}.gate_proj.qweight"`` (lazy mappings are read one expert at a
         time; each expert is converted on ``device`` and copied into its slot of the stacked buffers)."""
         device = torch.device(device)
+        self.unload_()  # never hold the old and the new buffers at once
         E = self.num_experts
         if isinstance(source, Sequence) and len(source) != E:
             raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
-        stacks: dict[str, list[torch.Tensor]] = {}
+        stacks: dict[str, torch.Tensor] = {}
         for e in range(E):
             ename = f"{name}.{e}"
             parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
@@ -416,13 +434,14 @@ class Int4Experts(nn.Module):
             del gate_up, down, parts
         for key, value in stacks.items():
             setattr(self, key, value)
+        self._views = None
         self.layout = device.type
-        self.compute_dtype = self.down_scales_and_zeros.dtype
         return self
 
     def unload_(self) -> None:
         """Drop the packed buffers (the module becomes an empty shell again)."""
         self.gate_up_packed = self.gate_up_scales_and_zeros = self.down_packed = self.down_scales_and_zeros = None
+        self._views = None
 
     @classmethod
     def from_gptq(
@@ -441,18 +460,28 @@ class Int4Experts(nn.Module):
         module = cls(num_experts, hidden_dim, intermediate_dim, act_fn)
         return module.load_gptq_(source, device, dtype, name=name, prefix=prefix)
 
-    def _linear(self, x: torch.Tensor, e: int, key: str) -> torch.Tensor:
-        kg, K_run, _ = self._geom[key]
-        if K_run > x.shape[1]:
-            x = F.pad(x, (0, K_run - x.shape[1]))
-        return _int4_mm(
-            x.contiguous(), getattr(self, f"{key}_packed")[e], kg, getattr(self, f"{key}_scales_and_zeros")[e]
-        )
+    def _apply(self, fn, recurse=True):
+        self._views = None  # .to()/.cuda() replace the buffers: drop views of the old ones
+        return super()._apply(fn, recurse)
+
+    def _expert_views(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per-expert views of the stacked buffers, made once per load: indexing per call costs host time."""
+        if self._views is None:
+            self._views = tuple(
+                t.unbind(0)
+                for t in (
+                    self.gate_up_packed,
+                    self.gate_up_scales_and_zeros,
+                    self.down_packed,
+                    self.down_scales_and_zeros,
+                )
+            )
+        return self._views
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        _check_device(self, self.down_packed, self.layout, "Int4Experts")
+        _check_device(self.down_packed, self.layout, "Int4Experts")
         final = torch.zeros_like(hidden_states)
         T, k = top_k_index.shape
         if T == 0:
@@ -461,22 +490,35 @@ class Int4Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         n_valid = sum(counts[: self.num_experts])  # indices >= num_experts sort last and are skipped
+        if n_valid == 0:
+            return final
         order = order[:n_valid]
         token = order // k
         x = hidden_states[token]
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        out = torch.empty((n_valid, self.hidden_dim), dtype=self.compute_dtype, device=x.device)
+        gu_w, gu_sz, dn_w, dn_sz = self._expert_views()
+        kg_gu, K_gu, _ = self._geom["gate_up"]
+        kg_dn, K_dn, _ = self._geom["down"]
         inter, H = self.intermediate_dim, self.hidden_dim
+        # Few ops per expert: at decode sizes the loop is bound by per-op host time, not by the GPU.
+        outs = []
         start = 0
         for e, c in enumerate(counts[: self.num_experts]):
             if c == 0:
                 continue
             xs = x[start : start + c]
-            gate_up = self._linear(xs, e, "gate_up")
-            h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
-            out[start : start + c] = self._linear(h, e, "down")[:, :H]
             start += c
+            if K_gu > H:
+                xs = F.pad(xs, (0, K_gu - H))
+            gate_up = _int4_mm(xs, gu_w[e], kg_gu, gu_sz[e])
+            h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+            if K_dn > inter:
+                h = F.pad(h, (0, K_dn - inter))
+            outs.append(_int4_mm(h, dn_w[e], kg_dn, dn_sz[e]))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if out.shape[1] != H:
+            out = out[:, :H]
         weights = top_k_weights.reshape(-1)[order]
         out = out.to(hidden_states.dtype) * weights[:, None]
         final.index_add_(0, token, out.to(final.dtype))

@@ -285,12 +285,14 @@ def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[
     enc = tuple(c for c in ("audio_encoder", "vision_encoder") if c in needed)
     speech = tuple(c for c in C.SPEECH_COMPONENTS if c in needed)
     first = [("encode", enc)] if enc else []
+    apart = [(f"encode {c.split('_')[0]}", (c,)) for c in enc]
     if not speech:
-        return [("time-sliced", first + [("think", ("thinker_text",))])]
+        return [("time-sliced", first + [("think", ("thinker_text",))]),
+                ("time-sliced, one component at a time", apart + [("think", ("thinker_text",))])]
     return [
         ("time-sliced, streaming speech", first + [("think+speak", ("thinker_text",) + speech)]),
         ("time-sliced, speech after text", first + [("think", ("thinker_text",)), ("speak", speech)]),
-        ("time-sliced, one component at a time", first + [("think", ("thinker_text",)),
+        ("time-sliced, one component at a time", apart + [("think", ("thinker_text",)),
                                                           ("talk", ("talker", "code_predictor")),
                                                           ("vocode", ("code2wav",))]),
     ]
@@ -310,7 +312,7 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
     for label, plan in schedules(needed):
         stages = []
         for name, comps in plan:
-            alive = comps if name != "encode" else ()
+            alive = () if name.startswith("encode") else comps
             stages.append(Stage(name, comps, stage_bytes(comps, alive)))
         peak = max(s.bytes for s in stages)
         if peak <= budget:

@@ -92,21 +92,24 @@ class ServeConfig:
     max_connections: int = 64
 
 
-def read_api_key(path: str) -> str:
-    """The key in `path` (surrounding whitespace dropped). Read once at startup: rotating it needs a restart."""
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """The keys in `path`, one a line ('#' comments and blank lines skipped), so a key can be rotated by adding
+    the new one before removing the old. Read once at startup: a change needs a restart."""
     try:
         with open(path, encoding="utf-8") as fh:
-            key = fh.read().strip()
+            lines = fh.read().splitlines()
         mode = os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--api-key-file {path}: cannot read it ({exc}); create it with the key on one line") from exc
-    if not key:
-        raise UsageError(f"--api-key-file {path} is empty; write the key on one line")
-    if any(c.isspace() for c in key):
-        raise UsageError(f"--api-key-file {path}: the key contains whitespace; write it on one line")
+        raise UsageError(f"--api-key-file {path}: cannot read it ({exc}); write the key on one line") from exc
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise UsageError(f"--api-key-file {path} holds no key; write the key on one line")
+    for n, key in enumerate(keys, 1):
+        if any(c.isspace() for c in key):
+            raise UsageError(f"--api-key-file {path}: key {n} contains whitespace; write one key a line")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("API key file %s is readable by other users; chmod 600 it", path)
-    return key
+    return keys
 
 
 def to_api_error(exc: BaseException) -> ApiError:
@@ -299,11 +302,14 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _authorized(self) -> bool:
-        key = self.app.api_key
-        if key is None:
+        keys = self.app.api_keys
+        if not keys:
             return True
         scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        given = token.strip().encode()
+        # Every key is compared (constant time each), so timing does not tell which one nearly matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]
+        return scheme.lower() == "bearer" and any(matches)
 
     def _require_auth(self) -> None:
         if not self._authorized():
@@ -471,7 +477,7 @@ class Server:
         self._owns_engine = engine is None
         self.notifier = notifier or Notifier()
         self.hook = hook
-        self.api_key = read_api_key(cfg.api_key_file) if cfg.api_key_file else None
+        self.api_keys = read_api_keys(cfg.api_key_file) if cfg.api_key_file else ()
         self.limits = Limits(max_audio_seconds=cfg.max_audio_seconds, max_image_pixels=cfg.max_image_pixels,
                              max_new_tokens=cfg.max_new_tokens, allow_dir=cfg.allow_dir)
         self.gate = Gate(cfg.max_queue)

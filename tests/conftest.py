@@ -33,3 +33,36 @@ def tiny_model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny") / "model"
     write_tiny_model(TinyModelConfig(out=str(out), seed=0))
     return str(out)
+
+
+# --------------------------------------------------------------------------- real hardware (`device` marker)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("orin-omni device tests")
+    group.addoption("--device-url", default=os.environ.get("ORIN_OMNI_DEVICE_URL"),
+                    help="Run the `device` tests against this server (env ORIN_OMNI_DEVICE_URL).")
+    group.addoption("--device-model-dir", default=os.environ.get("ORIN_OMNI_DEVICE_MODEL_DIR"),
+                    help="Run the `device` tests in-process on this checkpoint (env ORIN_OMNI_DEVICE_MODEL_DIR).")
+    group.addoption("--device-api-key-file", default=os.environ.get("ORIN_OMNI_DEVICE_API_KEY_FILE"),
+                    help="API key file for --device-url (env ORIN_OMNI_DEVICE_API_KEY_FILE).")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device-url") or config.getoption("--device-model-dir"):
+        return
+    skip = pytest.mark.skip(reason="real-hardware test: give --device-url URL or --device-model-dir DIR")
+    for item in items:
+        if "device" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device_target(pytestconfig) -> dict:
+    """Where the `device` tests run: {"url": ...} or {"model_dir": ...}, plus "api_key_file" when given."""
+    url = pytestconfig.getoption("--device-url")
+    target = {"url": url} if url else {"model_dir": pytestconfig.getoption("--device-model-dir")}
+    key = pytestconfig.getoption("--device-api-key-file")
+    if key:
+        target["api_key_file"] = key
+    return target

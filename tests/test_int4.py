@@ -294,7 +294,7 @@ def _hf_text_config():
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
-def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol):
+def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol, monkeypatch):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextExperts
 
     gen = _gen(20)
@@ -311,9 +311,15 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol):
         device=device,
         dtype=dtype,
     )
+    gate_up_of = {w.data_ptr(): e for e, w in enumerate(experts.gate_up_packed)}
     calls = []
-    real_linear = experts._linear
-    experts._linear = lambda x, e, key: calls.append(e) or real_linear(x, e, key)
+    real_mm = int4._int4_mm
+
+    def spy(x, w, group, sz):
+        calls.append(gate_up_of.get(w.data_ptr(), "down"))
+        return real_mm(x, w, group, sz)
+
+    monkeypatch.setattr(int4, "_int4_mm", spy)
     for T in (37, 1):  # a prefill-like batch and a single decode token, fresh draws
         x = torch.randn(T, H, generator=gen)
         idx, w = _routing(T, gen)
@@ -324,8 +330,9 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol):
         with torch.no_grad():
             hf_out = hf.to(torch.float32)(x.to(dtype).float(), idx, w.to(dtype).float())
         assert _rel(y, hf_out) <= tol
-        assert sorted(set(calls)) == sorted(set(idx.flatten().tolist()))  # only the picked experts ran
-        assert len(calls) == 2 * len(set(calls))
+        ran = [c for c in calls if c != "down"]
+        assert sorted(ran) == sorted(set(idx.flatten().tolist()))  # only the picked experts ran, once each
+        assert calls.count("down") == len(ran)
         calls.clear()
 
 
@@ -354,6 +361,26 @@ def test_int4_experts_skip_sentinel_index_and_accept_per_expert_lists():
     idx[::3, 1] = E  # HF masks experts with the index num_experts
     assert _rel(experts(x, idx, w), _reference_experts(x, idx, w, gate_up, down)) <= 1e-5
     assert experts(x[:0], idx[:0], w[:0]).shape == (0, H)
+
+
+def test_int4_modules_follow_a_model_dtype_change():
+    # model.to(dtype) converts the scales_and_zeros buffers; the modules must compute in the new dtype afterwards.
+    gen = _gen(24)
+    flat = _expert_checkpoint(gen)
+    experts = Int4Experts.from_gptq(
+        flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(), device="cpu", dtype=torch.float32
+    )
+    packed = random_gptq_v1(H, 32, G, generator=gen, bias=True)
+    model = nn.ModuleDict({"experts": experts, "proj": Int4Linear.from_gptq(packed, H, "cpu", torch.float32)})
+    x = torch.randn(6, H, generator=gen)
+    idx, w = _routing(6, gen)
+    before = experts(x, idx, w)  # builds the per-expert views of the fp32 buffers
+    model.to(torch.bfloat16)
+    assert experts.compute_dtype == model["proj"].compute_dtype == torch.bfloat16
+    after = experts(x.bfloat16(), idx, w.bfloat16())
+    assert after.dtype == torch.bfloat16 and _rel(after, before) <= 1e-2
+    ref = x @ dequantize_gptq_v1(packed, H).T + packed["bias"].float()
+    assert _rel(model["proj"](x.bfloat16()), ref) <= 1e-2
 
 
 def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():

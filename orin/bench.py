@@ -1,0 +1,697 @@
+"""`orin-omni bench`: the standard request through the orin-omni engine (all-resident and time-sliced) and
+through HF transformers' BF16 `generate(return_audio=True)` in one process, side by side.
+
+The standard request is one user turn with an image, an audio clip and a short instruction, answered with a
+fixed number of text tokens and speech frames (EOS ignored on both sides, so both do the same work). Each
+engine mode gets an unmeasured warm-up request first (kernels, the CUDA graph) that is cancelled after its
+first audio packet; its load time is reported separately. The HF reference gets a short warm-up generate.
+
+Figures per run: weight bytes, peak GPU memory (the allocator's peak during the request; weights included),
+time to first text token and first audio packet (from the request's start, preprocessing included), thinker
+decode tokens/s (the thinker's own step time) and the end-to-end decode rate, talker frames/s, energy per
+request (NVML's energy counter on a GPU), and swap seconds. `--synthetic` writes a random checkpoint at the
+config's dimensions first (orin.synthetic); the HF reference is built from the same config with random BF16
+weights. On CUDA a torch.profiler pass over a short request records the top kernels.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import components as C
+from .errors import UsageError
+from .units import format_bytes
+
+log = logging.getLogger("orin.bench")
+
+GiB = 1 << 30
+TARGETS = {
+    "int4_weight_bytes": ("<=", 20.5 * GiB, "INT4 weights <= 20.5 GiB"),
+    "peak_all_resident": ("<=", 22 * GiB, "peak all-resident <= 22 GiB"),
+    "peak_time_sliced": ("<=", 18 * GiB, "peak time-sliced <= 18 GiB"),
+    "decode_tokens_per_s": (">=", 150.0, "decode >= 150 tokens/s"),
+    "decode_speedup_vs_hf": (">=", 12.0, "decode >= 12x HF BF16"),
+    "ttft_vs_hf": ("<=", 1.0, "TTFT no worse than HF BF16"),
+    "first_audio_s": ("<=", 0.300, "first audio packet <= 300 ms"),
+    "energy_vs_hf": ("<=", 0.5, "energy per request <= 50 % of HF BF16"),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    config: str | None = None  # config.json / checkpoint dir / "tiny"; with synthetic=True
+    model_dir: str | None = None  # an existing quantized checkpoint instead
+    synthetic: bool = False
+    workdir: str = "build/bench"
+    device: str = "auto"
+    audio_seconds: float = 30.0
+    images: int = 1
+    image_size: int = 224
+    text_tokens: int = 256
+    audio_frames: int = 100
+    prompt: str = "Describe it all."
+    speaker: str = "ethan"
+    budget_sliced: int | None = 18 * GiB
+    skip_hf: bool = False
+    skip_sliced: bool = False
+    decode_modes: tuple[str, ...] = ("eager", "graph")
+    profile: bool = True
+    power_backend: str = "auto"
+    json_out: str | None = None
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+@dataclass
+class _Inputs:
+    messages: tuple
+    images: list
+    audio: object
+
+
+def make_inputs(cfg: BenchConfig) -> _Inputs:
+    from .media import TARGET_SR, synth_image, synth_speechlike
+
+    images = [synth_image(cfg.image_size, seed=cfg.seed + i) for i in range(cfg.images)]
+    audio = synth_speechlike(cfg.audio_seconds, TARGET_SR, seed=cfg.seed) if cfg.audio_seconds > 0 else None
+    parts = [{"type": "image", "image": im} for im in images]
+    if audio is not None:
+        parts.append({"type": "audio", "audio": audio})
+    parts.append({"type": "text", "text": cfg.prompt})
+    return _Inputs(({"role": "user", "content": parts},), images, audio)
+
+
+def _request(cfg: BenchConfig, inputs: _Inputs, **overrides):
+    from .engine import GenerationRequest
+
+    args = dict(messages=inputs.messages, max_new_tokens=cfg.text_tokens, speech=cfg.audio_frames > 0,
+                speaker=cfg.speaker, max_audio_frames=max(cfg.audio_frames, 1), ignore_eos=True)
+    args.update(overrides)
+    return GenerationRequest(**args)
+
+
+# ---------------------------------------------------------------------- the orin-omni engine
+
+
+def _sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+def _stream(engine, request, cancel_after_audio: bool = False) -> dict:
+    """Run one request, collecting event times; a warm-up is cancelled once its first audio packet is out."""
+    from .engine import AudioChunk, Done, TextDelta
+
+    cancel = threading.Event()
+    t0 = time.perf_counter()
+    report, chunks, text_events = {}, 0, 0
+    for event in engine.stream(request, cancel):
+        if isinstance(event, TextDelta):
+            text_events += 1
+        elif isinstance(event, AudioChunk):
+            chunks += 1
+            if cancel_after_audio:
+                cancel.set()
+        elif isinstance(event, Done):
+            report = event.report
+    report["wall_s"] = time.perf_counter() - t0
+    report["audio_chunks"] = chunks
+    return report
+
+
+def summarize_engine(report: dict, label: str) -> dict:
+    """The table's figures from an engine report (see module doc for what each one means)."""
+    stages = (report.get("energy") or {}).get("by_stage") or {}
+    decode_tokens = max(0, int(report.get("completion_tokens") or 0) - 1)
+    think_s = (stages.get("thinker_decode") or {}).get("seconds")
+    swaps = report.get("swaps") or []
+    energy = report.get("energy") or {}
+    return {
+        "label": label,
+        "prompt_tokens": report.get("prompt_tokens"),
+        "completion_tokens": report.get("completion_tokens"),
+        "talker_frames": report.get("talker_frames"),
+        "peak_bytes": report.get("peak_bytes"),
+        "ttft_s": report.get("ttft_s"),
+        "first_audio_s": report.get("first_audio_s"),
+        "decode_tokens_per_s": (decode_tokens / think_s) if think_s else None,
+        "decode_e2e_tokens_per_s": report.get("tokens_per_s"),
+        "talker_frames_per_s": (report["talker_frames"] / report["talker_s"])
+        if report.get("talker_s") else None,
+        "energy_j": energy.get("joules"),
+        "energy_mean_w": energy.get("mean_w"),
+        "energy_backend": energy.get("backend"),
+        "swap_s": sum(s["seconds"] for s in swaps if not s.get("background")),
+        "swap_background_s": sum(s["seconds"] for s in swaps if s.get("background")),
+        "swaps": len(swaps),
+        "total_s": report.get("total_s"),
+        "streaming_speech": report.get("streaming_speech"),
+        "stages_s": {k: v.get("seconds") for k, v in stages.items()},
+        "schedule": [s.get("name") for s in report.get("schedule") or []],
+    }
+
+
+def _engine(cfg: BenchConfig, model_dir: str, budget: int | None, decode: str):
+    from .engine import Engine, EngineConfig
+
+    # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
+    return Engine(EngineConfig(model_dir=model_dir, device=cfg.device, budget=budget,
+                               power_backend=cfg.power_backend, verify_checksums=not cfg.synthetic,
+                               decode=decode))
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
+    import torch
+
+    out: dict = {}
+    engine = _engine(cfg, model_dir, None, cfg.decode_modes[0])
+    try:
+        device = engine.device
+        t0 = time.perf_counter()
+        for comp in C.PIPELINE:
+            engine.loader.ensure(comp)
+        _sync(device)
+        out["load_s"] = time.perf_counter() - t0
+        out["resident_bytes"] = engine.loader.resident_bytes()
+        out["resident_by_component"] = dict(engine.loader.memory.resident)
+        if device.type == "cuda":
+            out["allocated_after_load"] = torch.cuda.memory_allocated()
+        for mode in cfg.decode_modes:
+            engine.decode = mode
+            t0 = time.perf_counter()
+            warm = _stream(engine, _request(cfg, inputs), cancel_after_audio=cfg.audio_frames > 0)
+            log_fn(f"[{mode}] warm-up {time.perf_counter() - t0:.1f} s (ttft {warm.get('ttft_s') or 0:.3f} s)")
+            report = _stream(engine, _request(cfg, inputs))
+            summary = summarize_engine(report, f"orin-omni INT4 all-resident ({mode})")
+            summary["weight_bytes"] = out["resident_bytes"]
+            if engine._decoder is not None:
+                summary["graph_captures"] = engine._decoder.captures
+            out[mode] = summary
+            log_fn(f"[{mode}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
+                   f"thinker {summary['decode_tokens_per_s'] or 0:.1f} tok/s, peak "
+                   f"{format_bytes(summary['peak_bytes'] or 0)}, {summary['energy_j'] or 0:.0f} J")
+        if device.type == "cuda" and "graph" in cfg.decode_modes:
+            out["verify"] = verify_fast_decode(engine)
+        if cfg.profile and device.type == "cuda":
+            out["profile"] = profile_request(engine, cfg, inputs)
+    finally:
+        engine.close()
+        del engine
+        _free(cfg.device)
+    return out
+
+
+def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
+    mode = "graph" if "graph" in cfg.decode_modes else cfg.decode_modes[-1]
+    engine = _engine(cfg, model_dir, cfg.budget_sliced, mode)
+    try:
+        report = _stream(engine, _request(cfg, inputs))
+        summary = summarize_engine(report, f"orin-omni INT4 time-sliced {format_bytes(cfg.budget_sliced)} ({mode})")
+        summary["weight_bytes"] = sum(engine.sizes.components[c].runtime_int4_bytes for c in engine.sizes.components)
+        summary["budget_bytes"] = cfg.budget_sliced
+        summary["swap_detail"] = report.get("swaps")
+        log_fn(f"[time-sliced] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
+               f"peak {format_bytes(summary['peak_bytes'] or 0)}, swaps {summary['swap_s']:.2f} s")
+        return summary
+    finally:
+        engine.close()
+        del engine
+        _free(cfg.device)
+
+
+# ---------------------------------------------------------------------- checks and profile (CUDA)
+
+
+def verify_fast_decode(engine, steps: int = 4) -> dict:
+    """Compare, on the loaded model, (1) the fused INT4 MoE with Int4Experts.forward on random tokens of one
+    layer and (2) the fast decoder's logits with the HF-module step over `steps` forced tokens."""
+    import torch
+    from transformers import DynamicCache
+
+    from .fastdecode import ThinkerDecoder, fused_moe_int4
+
+    out = {}
+    with torch.inference_mode():
+        lm = engine.model.thinker.model.language_model
+        mlp = next(layer.mlp for layer in lm.layers if hasattr(layer.mlp, "gate"))
+        gen = torch.Generator(device=engine.device).manual_seed(1)
+        errs = []
+        for _ in range(4):
+            h = torch.randn((1, lm.config.hidden_size), generator=gen, device=engine.device).to(torch.bfloat16)
+            _, w, idx = mlp.gate(h)
+            ref = mlp.experts(h, idx, w).float()
+            got = fused_moe_int4(mlp.experts, h, idx, w).float()
+            errs.append(float((got - ref).norm() / ref.norm()))
+        out["fused_moe_rel_err"] = max(errs)
+        vocab = lm.config.vocab_size
+        ids = torch.randint(1000, vocab - 1000, (1, 64), generator=gen, device=engine.device)
+        cache = DynamicCache(config=lm.config)
+        engine.model.thinker.model.rope_deltas = None
+        mask = torch.ones_like(ids)
+        engine.model.thinker.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        dec = ThinkerDecoder(engine.model, engine.device, graph=True)
+        dec.start(cache, ids.shape[1] + steps + 1)
+        errs, agree = [], 0
+        for s in range(steps):
+            token = int(ids[0, s])
+            fast = dec.step(token).float()
+            tok = torch.tensor([[token]], device=engine.device)
+            hf = engine.model.thinker.model(inputs_embeds=lm.embed_tokens(tok), past_key_values=cache, use_cache=True)
+            ref = engine.model.thinker.lm_head(hf.last_hidden_state)[:, -1].float()
+            errs.append(float((fast - ref).norm() / ref.norm()))
+            agree += int(fast.argmax() == ref.argmax())
+        out["graph_step_rel_err"] = max(errs)
+        out["graph_step_argmax_agree"] = f"{agree}/{steps}"
+        dec.release()
+    return out
+
+
+def profile_request(engine, cfg: BenchConfig, inputs: _Inputs, tokens: int = 32, frames: int = 16) -> dict:
+    """Kernel-level profile of a short request in each decode mode: top CUDA ops by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for mode in cfg.decode_modes:
+        engine.decode = mode
+        req = _request(cfg, inputs, max_new_tokens=tokens, max_audio_frames=frames)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rep = _stream(engine, req)
+        torch.cuda.synchronize()
+        events = prof.key_averages()
+        rows = []
+        total = sum(e.self_device_time_total for e in events) or 1.0
+        for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]:
+            if e.self_device_time_total <= 0:
+                continue
+            rows.append({"name": e.key[:120], "device_ms": e.self_device_time_total / 1e3,
+                         "share": e.self_device_time_total / total, "calls": e.count})
+        result[mode] = {"tokens": tokens, "frames": frames, "wall_s": rep.get("wall_s"),
+                        "device_ms_total": total / 1e3, "top": rows,
+                        "stages_s": {k: v.get("seconds") for k, v in
+                                     ((rep.get("energy") or {}).get("by_stage") or {}).items()}}
+    return result
+
+
+# ---------------------------------------------------------------------- the HF reference
+
+
+class _Clock:
+    """A generate() streamer that only records when each put() arrives (tokens are already on the host)."""
+
+    def __init__(self):
+        self.times: list[tuple[float, int]] = []
+
+    def put(self, value) -> None:
+        self.times.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+    def generated(self) -> list[float]:
+        # The first put is the prompt (or an empty tensor when generate() starts from embeddings).
+        return [t for t, _ in self.times[1:]]
+
+
+def build_hf_model(model_dir: str, device, seed: int):
+    """Qwen3OmniMoeForConditionalGeneration at the checkpoint's config, random weights, BF16 on CUDA (fp32 on
+    CPU). transformers leaves the talker's experts uninitialised and its routers at zero: drawn here."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from .modelcfg import load_config
+
+    config = load_config(model_dir)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3OmniMoeForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    fixed = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            bad = name.startswith("talker.") and name.endswith(("experts.gate_up_proj", "experts.down_proj",
+                                                                "mlp.gate.weight"))
+            if bad or not bool(torch.isfinite(p).all()):
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02))
+                fixed.append(name)
+    return model, dtype, fixed
+
+
+def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
+    import torch
+
+    from .power import PowerConfig, PowerMeter
+    from .tiny import build_processor
+
+    device = torch.device("cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model, dtype, fixed = build_hf_model(model_dir, device, cfg.seed)
+    _sync(device)
+    out = {"label": "HF transformers BF16 generate()" if dtype == torch.bfloat16 else "HF transformers fp32",
+           "build_s": time.perf_counter() - t0, "initialised": len(fixed)}
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    processor = build_processor(model_dir)
+    meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend)).start()
+    speech = cfg.audio_frames > 0
+
+    def prepare():
+        text = processor.apply_chat_template(
+            [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text"
+                                                                    else {})} for p in m["content"]]}
+             for m in inputs.messages], add_generation_prompt=True, tokenize=False)
+        batch = processor(text=[text], images=inputs.images or None,
+                          audio=[inputs.audio] if inputs.audio is not None else None, return_tensors="pt",
+                          padding=True)
+        return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
+
+    def generate(tokens: int, frames: int, thinker_clock=None, talker_clock=None):
+        batch = prepare()
+        kwargs = dict(return_audio=speech, speaker=cfg.speaker, thinker_max_new_tokens=tokens,
+                      thinker_min_new_tokens=tokens, thinker_do_sample=False)
+        if speech:
+            kwargs.update(talker_max_new_tokens=frames, talker_min_new_tokens=frames)
+        if thinker_clock is not None:
+            kwargs["thinker_streamer"] = thinker_clock
+        if talker_clock is not None and speech:
+            kwargs["talker_streamer"] = talker_clock
+        result = model.generate(**batch, **kwargs)
+        _sync(device)
+        return batch, result
+
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            generate(2, 2)
+            out["warmup_s"] = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            thinker_clock, talker_clock = _Clock(), _Clock()
+            with meter.measure("hf") as measurement:
+                t0 = time.perf_counter()
+                batch, result = generate(cfg.text_tokens, cfg.audio_frames, thinker_clock, talker_clock)
+                t_end = time.perf_counter()
+        energy = measurement.report.to_json()
+        text_times, talk_times = thinker_clock.generated(), talker_clock.generated()
+        sequences = result[0] if speech else result
+        audio = result[1] if speech else None
+        out.update({
+            "prompt_tokens": int(batch["input_ids"].shape[1]),
+            "completion_tokens": int(sequences.shape[1] - batch["input_ids"].shape[1]),
+            "talker_frames": len(talk_times),
+            "audio_samples": int(audio.numel()) if audio is not None else 0,
+            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+            "ttft_s": (text_times[0] - t0) if text_times else None,
+            "first_audio_s": (t_end - t0) if speech else None,  # generate() returns the audio at the very end
+            "decode_tokens_per_s": ((len(text_times) - 1) / (text_times[-1] - text_times[0]))
+            if len(text_times) > 1 else None,
+            "talker_frames_per_s": ((len(talk_times) - 1) / (talk_times[-1] - talk_times[0]))
+            if len(talk_times) > 1 else None,
+            "talker_start_s": (talk_times[0] - t0) if talk_times else None,
+            "total_s": t_end - t0,
+            "energy_j": energy.get("joules"),
+            "energy_mean_w": energy.get("mean_w"),
+            "energy_backend": energy.get("backend"),
+            "swap_s": 0.0,
+        })
+        out["decode_e2e_tokens_per_s"] = out["decode_tokens_per_s"]
+        log_fn(f"[hf] ttft {out['ttft_s'] or 0:.3f} s, audio at {out['first_audio_s'] or 0:.1f} s, thinker "
+               f"{out['decode_tokens_per_s'] or 0:.1f} tok/s, peak {format_bytes(out['peak_bytes'] or 0)}, "
+               f"{out['energy_j'] or 0:.0f} J")
+    finally:
+        meter.stop()
+        del model
+        _free(device)
+    return out
+
+
+# ---------------------------------------------------------------------- Orin projection
+
+
+ORIN = {"bandwidth": 204.8e9, "fp16_tensor_flops": 42.5e12, "efficiency_bw": 0.7, "efficiency_flops": 0.4}
+
+
+def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, measured_peak: int | None) -> dict:
+    """Bytes and FLOPs per stage from the model's dimensions and the INT4 layout, over the AGX Orin's
+    bandwidth and dense FP16 tensor rate at assumed efficiencies (ORIN). A projection, not a measurement."""
+    from .layout import QuantSpec
+    from .modelcfg import load_config
+    from .plan import size_model
+
+    config = load_config(model_dir)
+    sizes = size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
+    d = sizes.dims["thinker"]
+    th = config.thinker_config.text_config
+    H, L = d["hidden"], d["layers"]
+    g = 128
+    int4 = lambda k, n: k * n // 2 + (k // g) * n * 4  # noqa: E731 - packed nibbles + bf16 scale/zero pairs
+    attn = int4(H, d["heads"] * d["head_dim"]) + 2 * int4(H, d["kv_heads"] * d["head_dim"]) \
+        + int4(d["heads"] * d["head_dim"], H)
+    expert = int4(H, 2 * d["moe_intermediate"]) + int4(d["moe_intermediate"], H)
+    ctx = prompt_tokens + text_tokens // 2
+    kv_read = L * 2 * d["kv_heads"] * d["head_dim"] * 2 * ctx
+    per_token = L * (attn + d["top_k"] * expert + d["experts"] * H * 2) + d["vocab"] * H * 2 + kv_read
+    active_params = L * (4 * H * H + d["top_k"] * 3 * H * d["moe_intermediate"]) + d["vocab"] * H  # rough
+    thinker = sizes.components["thinker_text"]
+    enc_params = sizes.components["audio_encoder"].params + sizes.components["vision_encoder"].params
+    prefill_flops = 2 * active_params * prompt_tokens + 2 * enc_params * prompt_tokens
+    prefill_bytes = thinker.runtime_int4_bytes + sizes.components["audio_encoder"].runtime_int4_bytes \
+        + sizes.components["vision_encoder"].runtime_int4_bytes
+    bw = ORIN["bandwidth"] * ORIN["efficiency_bw"]
+    flops = ORIN["fp16_tensor_flops"] * ORIN["efficiency_flops"]
+    decode_s = per_token / bw
+    prefill_s = max(prefill_bytes / bw, prefill_flops / flops)
+    return {
+        "assumptions": dict(ORIN),
+        "thinker_bytes_per_token": per_token,
+        "thinker_decode_tokens_per_s": 1 / decode_s,
+        "prefill_flops": prefill_flops,
+        "prefill_bytes": prefill_bytes,
+        "ttft_s": prefill_s,
+        "peak_bytes": measured_peak,
+        "kv_heads": th.num_key_value_heads,
+    }
+
+
+# ---------------------------------------------------------------------- the whole benchmark
+
+
+@dataclass
+class BenchResult:
+    meta: dict
+    runs: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "runs": self.runs, "targets": evaluate_targets(self.runs), **self.extra,
+                "errors": self.errors}
+
+
+def evaluate_targets(runs: dict) -> list[dict]:
+    best = runs.get("orin_graph") or runs.get("orin_static") or runs.get("orin_eager") or {}
+    sliced, hf = runs.get("orin_time_sliced") or {}, runs.get("hf_bf16") or {}
+
+    def ratio(a, b):
+        return (a / b) if a is not None and b else None
+
+    values = {
+        "int4_weight_bytes": best.get("weight_bytes"),
+        "peak_all_resident": best.get("peak_bytes"),
+        "peak_time_sliced": sliced.get("peak_bytes"),
+        "decode_tokens_per_s": best.get("decode_tokens_per_s"),
+        "decode_speedup_vs_hf": ratio(best.get("decode_tokens_per_s"), hf.get("decode_tokens_per_s")),
+        "ttft_vs_hf": ratio(best.get("ttft_s"), hf.get("ttft_s")),
+        "first_audio_s": best.get("first_audio_s"),
+        "energy_vs_hf": ratio(best.get("energy_j"), hf.get("energy_j")),
+    }
+    out = []
+    for key, (op, limit, text) in TARGETS.items():
+        v = values[key]
+        ok = None if v is None else (v <= limit if op == "<=" else v >= limit)
+        out.append({"target": key, "text": text, "value": v, "limit": limit, "met": ok})
+    return out
+
+
+def _meta(cfg: BenchConfig) -> dict:
+    import torch
+    import transformers
+
+    meta = {"config": asdict(cfg), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "host": platform.node()}
+    if torch.cuda.is_available() and cfg.device in ("auto", "cuda"):
+        props = torch.cuda.get_device_properties(0)
+        meta["gpu"] = {"name": props.name, "memory_bytes": props.total_memory,
+                       "multiprocessors": props.multi_processor_count}
+    return meta
+
+
+def _write(result: BenchResult, path: str | None) -> None:
+    if path:
+        from .fsutil import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(result.to_json(), indent=2, default=str))
+
+
+def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
+    """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
+    rewritten after every part, so a run cut short keeps what it measured."""
+    if cfg.synthetic == (cfg.model_dir is not None):
+        raise UsageError("give either --synthetic (with --config) or --model-dir")
+    if cfg.synthetic and not cfg.config:
+        raise UsageError("--synthetic needs --config (a Qwen3-Omni config.json, or 'tiny')")
+    for mode in cfg.decode_modes:
+        from .engine import DECODE_MODES
+
+        if mode not in DECODE_MODES:
+            raise UsageError(f"--decode {mode!r}: use {', '.join(DECODE_MODES)}")
+    result = BenchResult(meta=_meta(cfg))
+    t_start = time.perf_counter()
+    model_dir = cfg.model_dir
+    if cfg.synthetic:
+        from .synthetic import SyntheticConfig, write_synthetic_checkpoint
+
+        t0 = time.perf_counter()
+        out = Path(cfg.workdir) / "checkpoint"
+        write_synthetic_checkpoint(SyntheticConfig(config=cfg.config, out=str(out), device=cfg.device,
+                                                   seed=cfg.seed, force=True), log=log_fn)
+        result.extra["synthetic_write_s"] = time.perf_counter() - t0
+        model_dir = str(out)
+        log_fn(f"synthetic checkpoint in {result.extra['synthetic_write_s']:.1f} s: {out}")
+    from .manifest import read_manifest
+
+    manifest = read_manifest(model_dir)
+    result.extra["checkpoint"] = {"dir": model_dir, "int4_payload_bytes": sum(
+        s.int4_bytes for s in manifest.segments.values()), "file_bytes": sum(
+        s.total_bytes for s in manifest.segments.values())}
+    inputs = make_inputs(cfg)
+
+    def part(name: str, fn):
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others' figures
+            log.exception("bench part %s failed", name)
+            result.errors[name] = f"{type(exc).__name__}: {exc}"
+            log_fn(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            value = None
+        result.extra.setdefault("part_s", {})[name] = time.perf_counter() - t0
+        _write(result, cfg.json_out)
+        return value
+
+    resident = part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn))
+    if resident:
+        for mode in cfg.decode_modes:
+            if mode in resident:
+                result.runs[f"orin_{mode}"] = resident.pop(mode)
+        result.extra["all_resident"] = {k: v for k, v in resident.items() if k not in ("profile", "verify")}
+        if "verify" in resident:
+            result.extra["verify"] = resident["verify"]
+        if "profile" in resident:
+            result.extra["profile"] = resident["profile"]
+    if not cfg.skip_sliced and cfg.budget_sliced:
+        sliced = part("time_sliced", lambda: run_time_sliced(cfg, model_dir, inputs, log_fn))
+        if sliced:
+            result.runs["orin_time_sliced"] = sliced
+    if not cfg.skip_hf:
+        hf = part("hf", lambda: run_hf(cfg, model_dir, inputs, log_fn))
+        if hf:
+            result.runs["hf_bf16"] = hf
+    any_run = next(iter(result.runs.values()), {})
+    best = result.runs.get("orin_graph") or result.runs.get("orin_static") or result.runs.get("orin_eager") or {}
+    proj = part("orin_projection", lambda: orin_projection(
+        model_dir, any_run.get("prompt_tokens") or 0, cfg.text_tokens, best.get("peak_bytes")))
+    if proj:
+        result.extra["orin_projection"] = proj
+    result.extra["bench_s"] = time.perf_counter() - t_start
+    _write(result, cfg.json_out)
+    return result
+
+
+# ---------------------------------------------------------------------- the table
+
+
+_ROWS = (
+    ("weight bytes", "weight_bytes", "bytes"),
+    ("peak GPU memory", "peak_bytes", "bytes"),
+    ("time to first text token", "ttft_s", "s"),
+    ("time to first audio packet", "first_audio_s", "s"),
+    ("thinker decode tokens/s", "decode_tokens_per_s", "rate"),
+    ("decode tokens/s incl. talker", "decode_e2e_tokens_per_s", "rate"),
+    ("talker frames/s", "talker_frames_per_s", "rate"),
+    ("energy per request (J)", "energy_j", "j"),
+    ("swap seconds", "swap_s", "s"),
+    ("prompt / text / frames", None, "counts"),
+)
+
+
+def _cell(run: dict, key: str | None, kind: str) -> str:
+    if kind == "counts":
+        return f"{run.get('prompt_tokens')}/{run.get('completion_tokens')}/{run.get('talker_frames')}"
+    value = run.get(key)
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        return f"{value / GiB:.2f} GiB"
+    if kind == "s":
+        return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+    if kind == "rate":
+        return f"{value:.1f}"
+    return f"{value:.0f}"
+
+
+def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
+    data = result.to_json() if isinstance(result, BenchResult) else result
+    runs = data["runs"]
+    order = [k for k in ("orin_eager", "orin_static", "orin_graph", "orin_time_sliced", "hf_bf16") if k in runs]
+    heads = ["metric"] + [runs[k].get("label", k) for k in order]
+    rows = [[name] + [_cell(runs[k], key, kind) for k in order] for name, key, kind in _ROWS]
+    lines = []
+    if markdown:
+        lines.append("| " + " | ".join(heads) + " |")
+        lines.append("|" + "---|" * len(heads))
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
+        for r in [heads] + rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    lines.append("")
+    for t in data["targets"]:
+        mark = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        v = t["value"]
+        shown = "-" if v is None else (f"{v / GiB:.2f} GiB" if "bytes" in t["target"] or "peak" in t["target"]
+                                       else f"{v:.3f}")
+        lines.append(f"target {t['text']}: {shown} -> {mark}")
+    for name, err in data.get("errors", {}).items():
+        lines.append(f"error in {name}: {err}")
+    return "\n".join(lines)
+
+
+__all__ = ["BenchConfig", "BenchResult", "make_inputs", "orin_projection", "render_table", "run_bench",
+           "summarize_engine"]

@@ -1,0 +1,348 @@
+"""Running the model to collect calibration inputs: no quantization math here.
+
+Two BF16 passes happen before any weight changes:
+
+- the thinker pass: ``model.thinker(**inputs)`` teacher-forced over each whole calibration conversation; hooks
+  record the first-layer inputs (hidden states plus the keyword arguments the stack passes every layer:
+  rotary embeddings, masks, cu_seqlens) of the thinker text decoder, the vision encoder and the audio encoder,
+  and the DeepStack visual features the text decoder adds after its first layers;
+- the speech pass: ``model.generate(return_audio=True)`` with greedy thinker and talker, exactly as a request is
+  served: hooks record what the talker decoder, the code predictor and code2wav's pre-transformer are fed at
+  every step (the talker's prompt is built by generate() from the thinker's embeddings and its
+  ``accept_hidden_layer`` hidden states of the prompt and the generated reply). The steps are concatenated
+  into whole sequences and run once more, teacher-forced, to record those stacks' first-layer inputs; causal
+  attention makes that equal to the step-by-step run.
+
+Then, per layer, :func:`capture_stage` re-runs one layer over the recorded calls with hooks on the modules of
+one stage, and :func:`forward_layer` produces the next layer's inputs from the (partly quantized) layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import adapters as A
+
+
+class StopForward(Exception):
+    """Raised by a hook once everything needed from a forward pass has been recorded."""
+
+
+@dataclass
+class Call:
+    """One call of a layer: positional args (hidden states first) and keyword args, plus stack-level extras
+    (DeepStack features) that apply between layers."""
+
+    args: tuple
+    kwargs: dict
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.args[0]
+
+    def with_hidden(self, hidden: torch.Tensor) -> Call:
+        return Call((hidden,) + tuple(self.args[1:]), self.kwargs, self.extra)
+
+
+@dataclass
+class StackData:
+    """First-layer calls of one stack: calibration calls feed the Hessians, held-out calls only the report."""
+
+    calib: list[Call] = field(default_factory=list)
+    heldout: list[Call] = field(default_factory=list)
+
+    def add(self, call: Call, heldout: bool) -> None:
+        (self.heldout if heldout else self.calib).append(call)
+
+    @property
+    def calib_rows(self) -> int:
+        return sum(c.hidden.numel() // c.hidden.shape[-1] for c in self.calib)
+
+
+def _detach(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    if isinstance(value, list):
+        return [_detach(v) for v in value]
+    return value
+
+
+@contextlib.contextmanager
+def record_first_calls(modules: dict[str, torch.nn.Module], stop: bool = False) -> Iterator[dict[str, list[Call]]]:
+    """Record every call of each module (a stack's first layer) as a Call; with stop=True, end the forward
+    pass right there (nothing after the first layer is needed)."""
+    calls: dict[str, list[Call]] = {name: [] for name in modules}
+    handles = []
+    for name, module in modules.items():
+        def hook(_mod, args, kwargs, _name=name):
+            calls[_name].append(Call(_detach(tuple(args)), {k: _detach(v) for k, v in kwargs.items()}))
+            if stop:
+                raise StopForward
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def record_kwargs(module: torch.nn.Module, keys: tuple[str, ...]) -> Iterator[list[dict]]:
+    """Record the named keyword arguments of every call of `module`."""
+    seen: list[dict] = []
+
+    def hook(_mod, _args, kwargs):
+        seen.append({k: _detach(kwargs.get(k)) for k in keys})
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def quiet_generation() -> Iterator[None]:
+    """generate() warns about sampling flags and repetition penalties on every call; the calibration run sets
+    them on purpose."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+# ---------------------------------------------------------------------- the thinker pass
+
+
+@dataclass
+class ThinkerOutputs:
+    logits: torch.Tensor  # [T, vocab] bf16 on CPU
+    vision: torch.Tensor | None  # merged vision features [P, D]
+    audio: torch.Tensor | None  # audio encoder output [A, D]
+
+
+@torch.no_grad()
+def run_thinker(model, inputs: dict) -> ThinkerOutputs:
+    """Teacher-forced thinker forward of one conversation, with the encoders' outputs."""
+    seen: dict[str, torch.Tensor] = {}
+    thinker = model.thinker
+
+    def keep(name, attr):
+        def hook(_mod, _args, output):
+            seen[name] = getattr(output, attr).detach().float().cpu()
+        return hook
+
+    handles = [thinker.model.visual.register_forward_hook(keep("vision", "pooler_output")),
+               thinker.model.audio_tower.register_forward_hook(keep("audio", "last_hidden_state"))]
+    try:
+        out = thinker(**inputs, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return ThinkerOutputs(out.logits[0].detach().to(torch.bfloat16).cpu(), seen.get("vision"), seen.get("audio"))
+
+
+_THINKER_FIRST_LAYER = {
+    "thinker_text": "thinker.model.language_model.layers.0",
+    "vision_encoder": "thinker.model.visual.blocks.0",
+    "audio_encoder": "thinker.model.audio_tower.layers.0",
+}
+
+
+@torch.no_grad()
+def capture_thinker_pass(model, samples, stacks: set[str], reference: bool
+                         ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs]]:
+    """First-layer calls of the thinker-side stacks in `stacks`, and (reference=True) the BF16 outputs of the
+    held-out samples, by sample name."""
+    wanted = {s: model.get_submodule(p) for s, p in _THINKER_FIRST_LAYER.items() if s in stacks}
+    data = {s: StackData() for s in wanted}
+    refs: dict[str, ThinkerOutputs] = {}
+    language_model = model.get_submodule(A.STACK_OF["thinker_text"].layers.rsplit(".", 1)[0])
+    for sample in samples:
+        if not wanted and not (reference and sample.heldout):
+            continue
+        with record_first_calls(wanted) as calls, \
+                record_kwargs(language_model, ("visual_pos_masks", "deepstack_visual_embeds")) as deepstack:
+            outputs = run_thinker(model, sample.inputs)
+        if reference and sample.heldout:
+            refs[sample.name] = outputs
+        for stack, stack_calls in calls.items():
+            for call in stack_calls:
+                if stack == "thinker_text" and deepstack and deepstack[0]["deepstack_visual_embeds"] is not None:
+                    call.extra.update(deepstack[0])
+                data[stack].add(call, sample.heldout)
+    return data, refs
+
+
+# ---------------------------------------------------------------------- the speech pass
+
+
+@dataclass(frozen=True)
+class SpeechSettings:
+    thinker_new_tokens: int = 64
+    talker_new_tokens: int = 256
+    talker_min_new_tokens: int = 0
+
+
+@dataclass
+class TalkerSequence:
+    """What the talker decoder was fed over one generate() call, concatenated: replaying it teacher-forced
+    reproduces the step-by-step run."""
+
+    inputs_embeds: torch.Tensor  # [1, T, H]
+    position_ids: torch.Tensor  # [4, 1, T]
+    prompt_len: int  # the prefill's length; predictions from position prompt_len - 1 on are generated codes
+
+
+def codec_suppressed(config) -> list[int]:
+    """The codec ids generate() never lets the talker emit (the 1024 top ids but EOS)."""
+    tk = config.talker_config
+    vocab = tk.text_config.vocab_size
+    return [i for i in range(vocab - 1024, vocab) if i != tk.codec_eos_token_id]
+
+
+@torch.no_grad()
+def generate_speech(model, sample, settings: SpeechSettings):
+    """Greedy generate(return_audio=True) for one sample, recording the speech stacks' inputs. Returns the talker
+    sequence, the code predictor's sequences (each [1, L, H]) and code2wav pre-transformer chunks."""
+    talker_model = model.talker.model
+    predictor_model = model.talker.code_predictor.model
+    pre_transformer = model.code2wav.pre_transformer
+    speakers = sorted(model.config.talker_config.speaker_id)
+    speaker = speakers[sample.index % len(speakers)] if speakers else "ethan"
+    with quiet_generation(), record_kwargs(talker_model, ("inputs_embeds", "position_ids")) as talker_calls, \
+            record_kwargs(predictor_model, ("inputs_embeds",)) as predictor_calls, \
+            record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls:
+        model.generate(
+            **sample.prompt_inputs, speaker=speaker, return_audio=True,
+            thinker_max_new_tokens=settings.thinker_new_tokens, thinker_do_sample=False,
+            thinker_eos_token_id=model.config.im_end_token_id,
+            talker_max_new_tokens=settings.talker_new_tokens, talker_min_new_tokens=settings.talker_min_new_tokens,
+            talker_do_sample=False,
+        )
+    if not talker_calls:
+        raise RuntimeError("generate(return_audio=True) never ran the talker")
+    talker = TalkerSequence(
+        torch.cat([c["inputs_embeds"] for c in talker_calls], dim=1),
+        torch.cat([c["position_ids"] for c in talker_calls], dim=-1),
+        talker_calls[0]["inputs_embeds"].shape[1],
+    )
+    predictor: list[list[torch.Tensor]] = []
+    for c in predictor_calls:
+        if c["inputs_embeds"].shape[1] > 1 or not predictor:  # a prefill starts a new code-predictor sequence
+            predictor.append([])
+        predictor[-1].append(c["inputs_embeds"])
+    predictor_seqs = [torch.cat(parts, dim=1) for parts in predictor]
+    code2wav = [c["inputs_embeds"] for c in code2wav_calls]
+    return talker, predictor_seqs, code2wav
+
+
+@torch.no_grad()
+def talker_codes(model, seq: TalkerSequence, layer0: torch.nn.Module | None = None
+                 ) -> tuple[torch.Tensor, list[Call]]:
+    """Teacher-forced greedy codec tokens of a talker sequence (suppressed ids masked as generate() does) at the
+    positions that predict generated codes; with `layer0`, also the talker's first-layer call."""
+    with record_first_calls({"talker": layer0} if layer0 is not None else {}) as calls:
+        out = model.talker.model(inputs_embeds=seq.inputs_embeds, position_ids=seq.position_ids, use_cache=False)
+    logits = model.talker.codec_head(out.last_hidden_state)[0, seq.prompt_len - 1:].float()
+    logits[:, codec_suppressed(model.config)] = float("-inf")
+    return logits.argmax(-1).cpu(), calls.get("talker", [])
+
+
+def _first_layer_calls(module: torch.nn.Module, run) -> list[Call]:
+    with record_first_calls({"x": module}, stop=True) as calls:
+        with contextlib.suppress(StopForward):
+            run()
+    return calls["x"]
+
+
+@torch.no_grad()
+def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettings, reference: bool
+                        ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]]]:
+    """First-layer calls of the speech stacks in `stacks` and (reference=True) each held-out sample's talker
+    sequence with its BF16 teacher-forced codec tokens."""
+    data = {s: StackData() for s in A.SPEECH_PASS if s in stacks}
+    refs: dict[str, tuple[TalkerSequence, torch.Tensor]] = {}
+    talker_layer0 = model.get_submodule(f"{A.STACK_OF['talker'].layers}.0")
+    for sample in samples:
+        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings)
+        if "talker" in data or (reference and sample.heldout):
+            codes, calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
+            for call in calls:
+                data["talker"].add(call, sample.heldout)
+            if reference and sample.heldout:
+                refs[sample.name] = (talker, codes)
+        if "code_predictor" in data:
+            layer0 = model.get_submodule(f"{A.STACK_OF['code_predictor'].layers}.0")
+            by_len: dict[int, list[torch.Tensor]] = {}
+            for s in predictor_seqs:
+                by_len.setdefault(s.shape[1], []).append(s)
+            for group in by_len.values():
+                batch = torch.cat(group, dim=0)
+                for call in _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
+                        inputs_embeds=b, use_cache=False)):
+                    data["code_predictor"].add(call, sample.heldout)
+        if "code2wav" in data:
+            layer0 = model.get_submodule(f"{A.STACK_OF['code2wav'].layers}.0")
+            for chunk in code2wav:
+                for call in _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
+                        inputs_embeds=c, use_cache=False)):
+                    data["code2wav"].add(call, sample.heldout)
+    return data, refs
+
+
+# ---------------------------------------------------------------------- per layer
+
+
+@torch.no_grad()
+def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Member]) -> dict[str, list]:
+    """Inputs of one stage's members over `calls`: for a Linear a [rows, K] tensor per call, for an experts
+    member a (hidden [T, H], top_k_index [T, k]) pair per call. The forward stops once all were seen."""
+    modules = {m.name: layer.get_submodule(m.name) for m in members}
+    seen: dict[str, list] = {name: [] for name in modules}
+    pending: set[str] = set()
+    handles = []
+    for name, module in modules.items():
+        is_experts = any(m.name == name and m.kind != "linear" for m in members)
+
+        def hook(mod, args, kwargs, _name=name, _experts=is_experts):
+            if _experts:
+                hidden, index = A.experts_call_inputs(args, kwargs)
+                seen[_name].append((hidden.detach(), index.detach()))
+            else:
+                x = args[0] if args else kwargs["input"]
+                seen[_name].append(x.detach().reshape(-1, x.shape[-1]))
+            pending.discard(_name)
+            if not pending:
+                raise StopForward
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        for call in calls:
+            pending.update(modules)
+            with contextlib.suppress(StopForward):
+                layer(*call.args, **call.kwargs)
+            if pending:
+                raise A.layout_error(f"{', '.join(sorted(pending))} never ran in a forward pass of its layer")
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@torch.no_grad()
+def forward_layer(layer: torch.nn.Module, calls: list[Call]) -> list[torch.Tensor]:
+    return [A.layer_output(layer(*c.args, **c.kwargs)).detach() for c in calls]

@@ -1,0 +1,249 @@
+"""The device runtime on the tiny quantized model (CPU): pipeline, streaming, time-slicing, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from orin.cli import cli
+from orin.engine import AudioChunk, Done, Engine, EngineConfig, GenerationRequest, TextDelta
+from orin.errors import BudgetError, ChecksumError, InputError
+from orin.media import synth_image, synth_speechlike
+
+SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 frames per second
+
+
+def _mm_messages(seconds: float = 3.0):
+    return ({"role": "user", "content": [
+        {"type": "image", "image": synth_image(224, seed=1)},
+        {"type": "audio", "audio": synth_speechlike(seconds, seed=2)},
+        {"type": "text", "text": "What do you see and hear?"},
+    ]},)
+
+
+@pytest.fixture(scope="module")
+def engine(quantized_dir):
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    yield eng
+    eng.close()
+
+
+def _collect(engine, req):
+    events = list(engine.stream(req))
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    chunks = [e.samples for e in events if isinstance(e, AudioChunk)]
+    report = next(e.report for e in events if isinstance(e, Done))
+    return events, text, chunks, report
+
+
+def test_text_only_loads_no_encoder_and_no_talker(quantized_dir):
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    try:
+        req = GenerationRequest(messages=({"role": "user", "content": "Hello there"},), max_new_tokens=6, speech=False)
+        _, text, chunks, report = _collect(eng, req)
+        assert chunks == []
+        assert [s["component"] for s in report["swaps"]] == ["thinker_text"]
+        assert report["resident_after"] == ["thinker_text"]
+        assert 1 <= report["completion_tokens"] <= 6
+        assert text == report["text"]
+        for key in ("ttft_s", "tokens_per_s", "peak_bytes", "swaps", "energy"):
+            assert key in report
+        assert report["energy"]["backend"] == "none" and report["energy"]["joules"] is None
+    finally:
+        eng.close()
+
+
+def test_image_audio_text_with_speech(engine):
+    req = GenerationRequest(messages=_mm_messages(), max_new_tokens=10, max_audio_frames=20)
+    events, text, chunks, report = _collect(engine, req)
+    assert report["talker_frames"] > 0 and chunks
+    audio = np.concatenate(chunks)
+    assert audio.dtype == np.float32 and np.isfinite(audio).all() and np.abs(audio).max() <= 1.0
+    # Causal code2wav trims a little at each chunk edge; never more than a frame per chunk.
+    frames = report["talker_frames"]
+    assert frames * SAMPLES_PER_FRAME - len(chunks) * SAMPLES_PER_FRAME <= audio.size <= frames * SAMPLES_PER_FRAME
+    assert report["audio_seconds"] == pytest.approx(audio.size / 24000)
+    # The first audio packet is out before the last text token: speech streams.
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("AudioChunk") < max(i for i, k in enumerate(kinds) if k == "TextDelta") or \
+        report["completion_tokens"] < 8
+    assert report["streaming_speech"] is True
+    assert 0 < report["ttft_s"] <= report["first_audio_s"] <= report["total_s"]
+
+
+def test_streamed_equals_non_streamed(engine):
+    base = dict(messages=_mm_messages(), max_new_tokens=12, max_audio_frames=24)
+    _, text_s, chunks_s, rep_s = _collect(engine, GenerationRequest(stream_speech=True, **base))
+    _, text_n, chunks_n, rep_n = _collect(engine, GenerationRequest(stream_speech=False, **base))
+    assert rep_s["streaming_speech"] and not rep_n["streaming_speech"]
+    assert rep_s["token_ids"] == rep_n["token_ids"] and text_s == text_n
+    assert rep_s["talker_frames"] == rep_n["talker_frames"]
+    assert np.array_equal(np.concatenate(chunks_s), np.concatenate(chunks_n))
+    # Streaming starts the audio earlier in the token stream than speaking after the text.
+    assert rep_s["first_audio_s"] is not None
+
+
+def test_engine_matches_hf_generate(engine):
+    """The engine's pipeline against transformers' own generate() on the same (INT4) weights, greedy."""
+    import torch
+
+    req = GenerationRequest(messages=_mm_messages(), max_new_tokens=8, max_audio_frames=400, ignore_eos=False)
+    _, _, chunks, report = _collect(engine, req)
+    # Every component is resident now; run the reference pipeline on the very same modules.
+    prompt = engine._prepare(req)
+    inputs = {k: (v.to(engine.dtype) if torch.is_floating_point(v) else v) for k, v in prompt.inputs.items()}
+    with torch.inference_mode():
+        seq, wav = engine.model.generate(
+            **inputs, return_audio=True, speaker="ethan", thinker_max_new_tokens=8, thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=report["talker_frames"] + 1,
+            thinker_eos_token_id=engine.config.im_end_token_id,
+        )
+    n = prompt.input_ids.shape[1]
+    assert seq[0, n:].tolist() == report["token_ids"]
+    codes = torch.stack(engine.last_frames, dim=1).unsqueeze(0)
+    ours = engine.model.code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).reshape(-1)
+    ref = wav.reshape(-1)
+    k = min(ours.numel(), ref.numel())
+    assert k > 0
+    assert torch.allclose(ours[:k].float(), ref[:k].float(), atol=1e-4)
+
+
+def test_time_sliced_small_budget_equals_all_resident(quantized_dir, engine):
+    base = dict(messages=_mm_messages(), max_new_tokens=10, max_audio_frames=20)
+    _, text_a, chunks_a, rep_a = _collect(engine, GenerationRequest(**base))
+    largest = max(engine.sizes.components[c].runtime_int4_bytes for c in engine.sizes.components)
+    budget = int(largest * 1.6)
+    small = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=budget))
+    try:
+        _, text_b, chunks_b, rep_b = _collect(small, GenerationRequest(**base))
+        outs = [s for s in rep_b["swaps"] if s["direction"] == "out"]
+        assert outs, "a budget this small must swap components out"
+        assert rep_b["peak_bytes"] <= budget
+        assert rep_b["token_ids"] == rep_a["token_ids"] and text_b == text_a
+        assert rep_b["talker_frames"] == rep_a["talker_frames"]
+        assert np.array_equal(np.concatenate(chunks_a), np.concatenate(chunks_b))
+        for swap in rep_b["swaps"]:
+            assert set(swap) >= {"component", "direction", "bytes", "seconds"} and swap["bytes"] > 0
+    finally:
+        small.close()
+
+
+def test_budget_below_largest_component_refused_before_loading(quantized_dir):
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=64 * 1024))
+    try:
+        with pytest.raises(BudgetError, match="before loading anything"):
+            list(eng.stream(GenerationRequest(messages=_mm_messages(), max_new_tokens=4)))
+        assert eng.loader.resident() == ()
+        assert eng.loader.swaps == []
+    finally:
+        eng.close()
+
+
+def test_corrupt_checkpoint_refused_naming_file(quantized_dir, tmp_path):
+    bad = tmp_path / "q"
+    shutil.copytree(quantized_dir, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    victim = next(iter(manifest["segments"].values()))["files"][0]["path"]
+    with open(bad / victim, "r+b") as fh:
+        fh.seek(-64, 2)
+        fh.write(b"\0" * 64)
+    with pytest.raises(ChecksumError, match=victim.split("/")[-1]):
+        Engine(EngineConfig(model_dir=str(bad), device="cpu", power_backend="none"))
+
+
+def test_power_from_fake_ina3221_tree(quantized_dir, tmp_path):
+    hw = tmp_path / "sys" / "bus" / "i2c" / "devices" / "1-0040" / "hwmon" / "hwmon3"
+    hw.mkdir(parents=True)
+    (hw.parent.parent / "name").write_text("ina3221\n")
+    (hw / "name").write_text("ina3221\n")
+    for i, (label, mv, ma) in enumerate([("VDD_GPU_SOC", 5000, 2000), ("VDD_CPU_CV", 5000, 1000),
+                                         ("VIN_SYS_5V0", 5000, 800)], start=1):
+        (hw / f"in{i}_label").write_text(label + "\n")
+        (hw / f"in{i}_input").write_text(f"{mv}\n")
+        (hw / f"curr{i}_input").write_text(f"{ma}\n")
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="ina3221",
+                              sysfs_root=str(tmp_path / "sys")))
+    try:
+        _, _, _, report = _collect(eng, GenerationRequest(messages=({"role": "user", "content": "hi"},),
+                                                          max_new_tokens=3, speech=False))
+    finally:
+        eng.close()
+    energy = report["energy"]
+    assert energy["backend"] == "ina3221" and energy["joules"] > 0
+    assert energy["mean_w"] == pytest.approx(19.0, rel=0.05)
+    assert "VDD_GPU_SOC" in energy["rails"] and "thinker_prefill" in energy["by_stage"]
+
+
+def test_unknown_voice_and_empty_messages(engine):
+    with pytest.raises(InputError, match="voice"):
+        list(engine.stream(GenerationRequest(messages=_mm_messages(), speaker="nobody")))
+    with pytest.raises(InputError, match="empty"):
+        list(engine.stream(GenerationRequest(messages=())))
+
+
+def test_cancel_stops_the_request(engine):
+    import threading
+
+    cancel = threading.Event()
+    events = []
+    for event in engine.stream(GenerationRequest(messages=({"role": "user", "content": "go"},), max_new_tokens=50,
+                                                 speech=False, ignore_eos=True), cancel):
+        events.append(event)
+        if isinstance(event, TextDelta) or len(events) == 1:
+            cancel.set()
+    report = events[-1].report
+    assert report["cancelled"] is True and report["completion_tokens"] < 50
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_cli_generate_json_and_wav(quantized_dir, tmp_path):
+    from orin.media import write_wav
+
+    img = tmp_path / "cam.png"
+    synth_image(64, seed=3).save(img)
+    wav_in = tmp_path / "q.wav"
+    write_wav(wav_in, synth_speechlike(2.0, sr=44100, seed=4), 44100)  # resampled to 16 kHz on the way in
+    out_wav = tmp_path / "answer.wav"
+    res = CliRunner().invoke(cli, ["generate", quantized_dir, "--text", "hi", "--image", str(img), "--audio",
+                                   str(wav_in), "--out-wav", str(out_wav), "--max-new-tokens", "5",
+                                   "--max-audio-frames", "12", "--device", "cpu", "--power-backend", "none", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[res.output.index("{"):])
+    for key in ("text", "ttft_s", "first_audio_s", "tokens_per_s", "peak_bytes", "swaps", "energy"):
+        assert key in report
+    assert set(report["energy"]) >= {"backend", "joules", "by_stage"}
+    import soundfile
+
+    data, sr = soundfile.read(out_wav)
+    assert sr == 24000 and len(data) > 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty"),
+    (b"this is not an image at all", "image"),
+])
+def test_cli_generate_bad_image(quantized_dir, tmp_path, content, message):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(content)
+    res = CliRunner().invoke(cli, ["generate", quantized_dir, "--image", str(bad), "--text", "x", "--device", "cpu"])
+    assert res.exit_code != 0
+    assert "bad.png" in res.output and message in res.output.lower()
+
+
+def test_cli_generate_bad_audio_and_budget(quantized_dir, tmp_path):
+    runner = CliRunner()
+    gif = tmp_path / "clip.gif"
+    gif.write_bytes(b"GIF89a" + b"\0" * 64)
+    res = runner.invoke(cli, ["generate", quantized_dir, "--audio", str(gif), "--text", "x", "--device", "cpu"])
+    assert res.exit_code != 0 and "clip.gif" in res.output
+    missing = runner.invoke(cli, ["generate", quantized_dir, "--audio", str(tmp_path / "none.wav"), "--device", "cpu"])
+    assert missing.exit_code != 0 and "none.wav" in missing.output
+    small = runner.invoke(cli, ["generate", quantized_dir, "--text", "x", "--budget", "64KiB", "--device", "cpu",
+                                "--power-backend", "none"])
+    assert small.exit_code == 1 and "budget" in small.output

@@ -1,0 +1,217 @@
+"""`orin-omni smoke`: its checks one by one, then the whole run against a real server over HTTP and against
+the engine in-process (tiny quantized model, CPU), through the CLI. The `device` test runs the same checks on
+real hardware when --device-url or --device-model-dir is given (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from orin.cli import cli
+from orin.errors import UsageError
+from orin.media import encode_wav
+from orin.smoke import (
+    FAIL,
+    PASS,
+    SKIP,
+    Answer,
+    Check,
+    SmokeConfig,
+    SmokeResult,
+    check_peak,
+    check_power,
+    check_text,
+    check_ttft,
+    check_wav,
+    expected_samples,
+    render_table,
+    run_smoke,
+    vocoder_chunks,
+)
+
+# --------------------------------------------------------------------------- single checks
+
+
+def _speech(samples: int, report: dict) -> Answer:
+    return Answer(text="hi", wav=encode_wav(np.zeros(samples, np.float32), sr=24000), report=report)
+
+
+def test_wav_length_is_judged_from_codec_frames():
+    assert vocoder_chunks(1) == 1 and vocoder_chunks(8) == 1 and vocoder_chunks(9) == 2 and vocoder_chunks(41) == 3
+    assert expected_samples(10) == (8 * 1920, 10 * 1920)
+    assert check_wav("s", _speech(10 * 1920, {"talker_frames": 10})).status == PASS
+    assert check_wav("s", _speech(9 * 1920, {"talker_frames": 10})).status == PASS  # trimmed at a chunk edge
+    too_short = check_wav("s", _speech(5 * 1920, {"talker_frames": 10}))
+    assert too_short.status == FAIL and "expected 15360..19200" in too_short.detail
+    assert check_wav("s", _speech(11 * 1920, {"talker_frames": 10})).status == FAIL
+    assert check_wav("s", _speech(0, {"talker_frames": 0})).status == FAIL
+    # Report and WAV must agree on the length.
+    mismatch = check_wav("s", _speech(10 * 1920, {"talker_frames": 10, "audio_seconds": 0.5}))
+    assert mismatch.status == FAIL and "report says" in mismatch.detail
+
+
+def test_wav_without_frame_count_needs_a_tenth_of_a_second():
+    assert check_wav("s", _speech(2400, {})).status == FAIL
+    assert check_wav("s", _speech(2401, {})).status == PASS
+
+
+def test_invalid_or_wrong_format_wav_fails():
+    assert check_wav("s", Answer("hi", None, {})).detail == "no audio returned"
+    assert "not a valid WAV" in check_wav("s", Answer("hi", b"RIFF....WAVEjunk", {})).detail
+    wrong_rate = Answer("hi", encode_wav(np.zeros(48000, np.float32), sr=16000), {})
+    assert "expected 24000 Hz mono 16-bit" in check_wav("s", wrong_rate).detail
+    truncated = encode_wav(np.zeros(4800, np.float32), sr=24000)[:-100]
+    assert check_wav("s", Answer("hi", truncated, {})).status == FAIL
+
+
+def test_text_ttft_and_peak_checks():
+    assert check_text("t", Answer("  ", None, {})).status == FAIL
+    assert check_text("t", Answer("Paris.", None, {})).status == PASS
+    assert check_ttft("t", {"ttft_s": 0.5}, 1.0).status == PASS
+    assert check_ttft("t", {"ttft_s": 1.5}, 1.0).status == FAIL
+    assert check_ttft("t", {}, None).status == FAIL  # missing is a failure, never a pass
+    assert check_ttft("t", {"ttft_s": 0.5}, None).detail.endswith("(no --max-ttft)")
+    assert check_peak("t", {"peak_bytes": 1000}, 2000).status == PASS
+    assert check_peak("t", {"peak_bytes": 3000}, 2000).status == FAIL
+    assert check_peak("t", {"peak_bytes": None}, 2000).status == FAIL
+
+
+def test_power_is_skipped_without_a_backend_and_checked_with_one():
+    none = {"energy": {"backend": "none", "joules": None}}
+    assert check_power({"a": none, "b": none}).status == SKIP
+    jtop = {"energy": {"backend": "jtop", "joules": 12.5, "mean_w": 25.0}}
+    assert check_power({"a": jtop, "b": jtop}).status == PASS
+    missing = {"energy": {"backend": "jtop", "joules": None, "mean_w": None, "note": "power not measured"}}
+    result = check_power({"a": jtop, "b": missing})
+    assert result.status == FAIL and "b (jtop: power not measured)" in result.detail
+    assert check_power({}).status == FAIL
+
+
+def test_table_and_json():
+    result = SmokeResult("x", (Check("a: answer", PASS, "ok"), Check("power", SKIP, "none"),
+                               Check("b: ttft", FAIL, "slow")))
+    table = render_table(result)
+    assert "a: answer  PASS" in table and "FAILED: 1 passed, 1 failed, 1 skipped" in table
+    assert not result.ok and result.to_json()["checks"][2] == {"name": "b: ttft", "status": "fail", "detail": "slow"}
+    assert SmokeResult("x", (Check("power", SKIP, "none"),)).ok
+
+
+def test_exactly_one_target():
+    with pytest.raises(UsageError, match="exactly one"):
+        run_smoke(SmokeConfig())
+    with pytest.raises(UsageError, match="exactly one"):
+        run_smoke(SmokeConfig(url="http://127.0.0.1:1", model_dir="/x"))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["smoke"])
+    assert result.exit_code == 2 and "exactly one of --url" in result.output
+
+
+def test_unreachable_server_fails_every_request_check():
+    result = run_smoke(SmokeConfig(url="http://127.0.0.1:9", timeout_s=5))
+    assert not result.ok
+    assert all(c.status in (FAIL, SKIP) for c in result.checks)
+    assert any("cannot reach" in c.detail for c in result.checks)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def engine(quantized_dir):
+    from orin.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine, quantized_dir):
+    from orin.server import ServeConfig, Server
+
+    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False),
+                 engine=engine).start()
+    yield srv
+    srv.stop()
+
+
+def _statuses(result: SmokeResult) -> dict[str, str]:
+    return {c.name: c.status for c in result.checks}
+
+
+EXPECTED = {
+    "text: answer", "text: ttft", "text: peak memory",
+    "image+audio+text: answer", "image+audio+text: ttft", "image+audio+text: peak memory",
+    "speech: answer", "speech: ttft", "speech: peak memory", "speech: wav", "speech: first audio", "power",
+}
+
+
+def test_smoke_over_http_passes_on_the_tiny_model(server):
+    result = run_smoke(SmokeConfig(url=server.url, max_new_tokens=8))
+    statuses = _statuses(result)
+    assert set(statuses) == EXPECTED | {"health", "metrics"}
+    assert statuses["power"] == SKIP  # backend none: skipped, not passed
+    assert all(s == PASS for name, s in statuses.items() if name != "power"), render_table(result)
+    assert result.ok
+
+
+def test_smoke_in_process_passes_on_the_tiny_model(engine, quantized_dir):
+    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=8), engine=engine)
+    statuses = _statuses(result)
+    assert set(statuses) == EXPECTED and result.ok, render_table(result)
+
+
+def test_smoke_cli_exit_codes_and_thresholds(server, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["smoke", "--url", server.url, "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.output)
+    assert data["ok"] is True and data["target"] == server.url
+    # Impossible limits fail the TTFT and peak checks, and the command exits 1 with the table.
+    bad = runner.invoke(cli, ["smoke", "--url", server.url, "--max-ttft", "0.000001", "--max-peak", "1KiB"])
+    assert bad.exit_code == 1
+    assert "text: ttft" in bad.output and "FAIL" in bad.output and "FAILED:" in bad.output
+    assert "limit 1.0 KiB" in bad.output or "limit 1 KiB" in bad.output or "limit 1024" in bad.output
+
+
+def test_smoke_with_an_api_key(engine, quantized_dir, tmp_path):
+    from orin.server import ServeConfig, Server
+
+    key = tmp_path / "key"
+    key.write_text("k-123\n")
+    key.chmod(0o600)
+    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
+                             api_key_file=str(key)), engine=engine).start()
+    try:
+        denied = run_smoke(SmokeConfig(url=srv.url, max_new_tokens=2))
+        assert not denied.ok and any("HTTP 401" in c.detail for c in denied.checks)
+        allowed = run_smoke(SmokeConfig(url=srv.url, max_new_tokens=4, api_key_file=str(key)))
+        assert allowed.ok, render_table(allowed)
+    finally:
+        srv.stop()
+
+
+# --------------------------------------------------------------------------- real hardware
+
+
+@pytest.mark.device
+def test_device_smoke(device_target):
+    """The same checks on a Jetson (or any GPU box): `pytest -m device --device-url http://orin:8000` against an
+    installed service, or `--device-model-dir DIR` in-process. Limits come from ORIN_OMNI_SMOKE_MAX_TTFT and
+    ORIN_OMNI_SMOKE_MAX_PEAK when set."""
+    import os
+
+    from orin.units import parse_bytes
+
+    max_ttft = os.environ.get("ORIN_OMNI_SMOKE_MAX_TTFT")
+    max_peak = os.environ.get("ORIN_OMNI_SMOKE_MAX_PEAK")
+    cfg = SmokeConfig(url=device_target.get("url"), model_dir=device_target.get("model_dir"),
+                      max_ttft=float(max_ttft) if max_ttft else None,
+                      max_peak=parse_bytes(max_peak) if max_peak else None,
+                      api_key_file=device_target.get("api_key_file"))
+    result = run_smoke(cfg)
+    print(render_table(result))
+    assert result.ok, render_table(result)
