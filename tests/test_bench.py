@@ -1,0 +1,159 @@
+"""orin-omni bench on CPU at tiny dimensions: the synthetic checkpoint, the static-cache decoder against the HF
+step, and the whole benchmark through the CLI (engine all-resident and time-sliced, HF reference, JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def synthetic_dir(tmp_path_factory) -> str:
+    from orin.synthetic import SyntheticConfig, write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("synthetic") / "ckpt"
+    write_synthetic_checkpoint(SyntheticConfig(config="tiny", out=str(out), device="cpu", seed=3))
+    return str(out)
+
+
+def test_synthetic_checkpoint_is_a_verified_quantized_checkpoint(synthetic_dir):
+    from orin.checkpoint import Checkpoint
+    from orin.layout import QuantSpec, find_targets
+    from orin.manifest import read_manifest
+    from orin.plan import meta_model
+
+    ckpt = Checkpoint.open(synthetic_dir, verify=True)  # every file's size and sha256 against the manifest
+    targets = find_targets(meta_model(ckpt.config), QuantSpec())
+    assert ckpt.quantized_modules == {t.path for t in targets}
+    manifest = read_manifest(synthetic_dir)
+    assert manifest.complete and manifest.quant_spec() == QuantSpec()
+    from safetensors import safe_open
+
+    for seg in manifest.segments.values():
+        path = f"{synthetic_dir}/{seg.files[0].path}"
+        with safe_open(path, framework="pt") as f:
+            payload = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        assert payload == seg.int4_bytes
+
+
+def test_stacked_random_experts_are_valid_gptq():
+    from orin.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, gptq_v1_geometry
+    from orin.synthetic import random_experts_gptq
+
+    gen = torch.Generator().manual_seed(0)
+    s = random_experts_gptq(3, 256, 64, 128, generator=gen, device="cpu")
+    for e in range(3):
+        layer = {k: (v[e] if k != "g_idx" else v) for k, v in s.items()}
+        assert gptq_v1_geometry(layer) == (256, 64, 2, 128)
+        zeros = decode_qzeros_v1(layer["qzeros"])
+        assert int(zeros.min()) >= 4 and int(zeros.max()) <= 11
+        w = dequantize_gptq_v1(layer, 256)
+        assert torch.isfinite(w).all() and 0.005 < float(w.abs().mean()) < 0.1
+    assert not torch.equal(s["qweight"][0], s["qweight"][1])
+
+
+def test_safetensors_stream_matches_the_plan_and_hash(tmp_path):
+    import hashlib
+
+    from safetensors import safe_open
+
+    from orin.synthetic import _Planned, write_safetensors_stream
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.qweight": torch.arange(12, dtype=torch.int32).view(3, 4),
+               "c": torch.ones(7, dtype=torch.float16)}
+    plan = [_Planned(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    path = tmp_path / "x.safetensors"
+    size, sha = write_safetensors_stream(path, plan, iter(tensors.items()), {"format": "pt"})
+    assert size == path.stat().st_size and sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v)
+    with pytest.raises(RuntimeError, match="does not match"):
+        write_safetensors_stream(tmp_path / "y.safetensors", plan, iter(list(tensors.items())[::-1]), {})
+
+
+def test_synthetic_tokenizer_covers_the_real_vocabulary(real_config):
+    from orin.synthetic import config_dict, synthetic_tokenizer, token_ids
+
+    data = config_dict(real_config)
+    tok = synthetic_tokenizer(data)
+    ids = token_ids(data)
+    assert ids["<|im_start|>"] == 151644 and ids["user"] == 872 and ids["<|audio_pad|>"] == 151675
+    assert len(tok) == data["thinker_config"]["text_config"]["vocab_size"]
+    enc = tok("<|im_start|>user\nhi<|im_end|>")["input_ids"]
+    assert enc[:2] == [151644, 872] and enc[-1] == 151645 and len(enc) == 6 and max(enc[2:5]) < 256
+    assert tok.decode(enc[2:5]) == "\nhi"
+    assert tok.decode([151000]) == " t151000"
+
+
+def test_static_decoder_matches_the_hf_step(synthetic_dir):
+    """Same logits as the HF modules with a dynamic cache, over forced tokens (not argmax: a random tiny model
+    falls into loops that would hide position errors)."""
+    from transformers import DynamicCache
+
+    from orin.checkpoint import Checkpoint
+    from orin.fastdecode import ThinkerDecoder
+    from orin.loader import Loader
+
+    loader = Loader(Checkpoint.open(synthetic_dir, verify=False), torch.device("cpu"), torch.float32)
+    loader.ensure("thinker_text")
+    model = loader.model
+    lm = model.thinker.model.language_model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, 20), generator=gen)
+    with torch.inference_mode():
+        cache = DynamicCache(config=lm.config)
+        model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        dec = ThinkerDecoder(model, torch.device("cpu")).start(cache, 40)
+        assert dec.max_len % 64 == 0 and dec.length == 20
+        for token in torch.randint(0, 256, (12,), generator=gen).tolist():
+            fast = dec.step(token)
+            tok = torch.tensor([[token]])
+            out = model.thinker.model(inputs_embeds=lm.embed_tokens(tok), past_key_values=cache, use_cache=True)
+            ref = model.thinker.lm_head(out.last_hidden_state)[:, -1]
+            assert float((fast - ref).norm() / ref.norm()) < 1e-5
+    loader.close()
+
+
+def test_bench_cli_runs_every_side_and_writes_json(tmp_path):
+    from click.testing import CliRunner
+
+    from orin.cli import cli
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, [
+        "bench", "--config", "tiny", "--synthetic", "--workdir", str(tmp_path / "w"), "--device", "cpu",
+        "--audio-seconds", "1", "--text-tokens", "3", "--audio-frames", "2", "--budget-sliced", "9MiB",
+        "--decode", "graph", "--power-backend", "none", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["errors"] == {}
+    runs = data["runs"]
+    assert set(runs) == {"orin_graph", "orin_time_sliced", "hf_bf16"}
+    prompts = {r["prompt_tokens"] for r in runs.values()}
+    assert len(prompts) == 1  # the same request on every side
+    for run in runs.values():
+        assert run["completion_tokens"] == 3 and run["talker_frames"] == 2
+        assert run["ttft_s"] > 0 and run["first_audio_s"] >= run["ttft_s"]
+        assert run["decode_tokens_per_s"] > 0 and run["weight_bytes"] > 0
+    sliced = runs["orin_time_sliced"]
+    assert sliced["swaps"] > 0 and 0 < sliced["peak_bytes"] <= 9 << 20
+    assert not sliced["streaming_speech"] and runs["orin_graph"]["streaming_speech"]
+    assert data["checkpoint"]["int4_payload_bytes"] > 0
+    assert [t["target"] for t in data["targets"]][:2] == ["int4_weight_bytes", "peak_all_resident"]
+    assert data["orin_projection"]["thinker_decode_tokens_per_s"] > 0
+    assert "thinker decode tokens/s" in result.output and "target decode >= 150 tokens/s" in result.output
+
+
+def test_bench_refuses_ambiguous_sources():
+    from orin.bench import BenchConfig, run_bench
+    from orin.errors import UsageError
+
+    with pytest.raises(UsageError, match="either --synthetic"):
+        run_bench(BenchConfig(config="tiny", synthetic=False))
+    with pytest.raises(UsageError, match="needs --config"):
+        run_bench(BenchConfig(synthetic=True))
