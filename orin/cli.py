@@ -220,10 +220,13 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 @click.option("--max-body", type=SIZE, default="64MiB", show_default=True, help="Largest request body.")
 @click.option("--max-audio-seconds", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True)
 @click.option("--max-image-pixels", type=click.IntRange(min=1), default=32 * 1024 * 1024, show_default=True)
+@click.option("--max-speech-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Cap on the speech one answer may generate (default: follows the text).")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="On SIGTERM, how long the request in flight may run before it is cancelled.")
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
-              sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, drain_seconds):
+              sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_speech_seconds,
+              drain_seconds):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
     from .server import ServeConfig, serve
 
@@ -231,7 +234,8 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
         model_dir=model_dir, host=host, port=port, budget=budget, api_key_file=api_key_file, max_queue=max_queue,
         allow_dir=allow_dir, device=device, power_backend=power_backend, power_hz=power_hz, sysfs_root=sysfs_root,
         verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
-        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels, drain_s=drain_seconds,
+        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels,
+        max_speech_seconds=max_speech_seconds, drain_s=drain_seconds,
     ))
 
 
@@ -287,8 +291,9 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
               help="Memory budget of the time-sliced run.")
 @click.option("--skip-hf", is_flag=True, help="Do not run the HF transformers BF16 reference.")
 @click.option("--skip-sliced", is_flag=True, help="Do not run the time-sliced engine.")
-@click.option("--decode", "decode_modes", default="eager,graph", show_default=True,
-              help="Thinker decode modes to measure all-resident (eager, static, graph), comma-separated.")
+@click.option("--decode", "decode_modes", default="eager,graph,compiled", show_default=True,
+              help="Decode modes measured all-resident (eager, static, graph, compiled), comma-separated; the "
+                   "last one also runs time-sliced.")
 @click.option("--profile/--no-profile", default=True, show_default=True, help="torch.profiler pass (CUDA only).")
 @click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
@@ -309,6 +314,47 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         json_out=json_out, seed=seed,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
+
+
+@cli.command("quantize")
+@click.argument("model_dir", type=click.Path())
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory of the quantized checkpoint.")
+@click.option("--segments", default=None, help="Segments to quantize, comma-separated (default: all).")
+@click.option("--split", default=None,
+              help="Segment split, e.g. 'thinker=audio_encoder+thinker_text;talker_vision=vision_encoder+talker+code_predictor+code2wav'.")
+@click.option("--bits", type=int, default=4, show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True)
+@click.option("--calib", type=click.Path(), default=None,
+              help="Calibration conversations: a .jsonl file or a directory (default: a built-in synthetic set).")
+@click.option("--samples", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Conversations to use (an eighth, 1 to 8, are held out for the report).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--quantize-audio-encoder", is_flag=True, help="Also quantize the audio encoder (BF16 by default).")
+@click.option("--quantize-code-predictor", is_flag=True, help="Also quantize the code predictor (BF16 by default).")
+@click.option("--quantize-code2wav", is_flag=True, help="Also quantize code2wav's pre-transformer (BF16 by default).")
+@click.option("--quantize-lm-head", is_flag=True, help="Also quantize the thinker's lm_head (BF16 by default).")
+@click.option("--min-expert-tokens", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Experts routed fewer calibration tokens than this are 'starved' (see --starved-experts).")
+@click.option("--starved-experts", type=click.Choice(["all-tokens", "rtn"]), default="all-tokens", show_default=True,
+              help="Calibrate a starved expert on every token of its layer, or round it to nearest.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the built-in calibration set.")
+@click.option("--force", is_flag=True, help="Redo finished segments (and start over if the settings changed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
+                 quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts, seed,
+                 force, as_json):
+    """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4, one resumable segment directory at a time."""
+    from quantize.pipeline import QuantConfig, render_result, run_quantize
+
+    cfg = QuantConfig(
+        model=model_dir, out=out, segments=_csv(segments), split=split, bits=bits, group_size=group_size, calib=calib,
+        samples=samples, device=device, quantize_audio_encoder=quantize_audio_encoder,
+        quantize_code_predictor=quantize_code_predictor, quantize_code2wav=quantize_code2wav,
+        quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
+        seed=seed, force=force,
+    )
+    manifest = run_quantize(cfg)
+    click.echo(json.dumps(manifest.summary(), indent=2) if as_json else render_result(out, manifest))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
           "--max-audio-frames", "16", "--out-wav", str(work / "answer.wav"), "--device", "cpu"])
 
     url = f"http://127.0.0.1:{args.port}"
-    serve = ["serve", "--model-dir", str(quant), "--host", "127.0.0.1", "--port", str(args.port), "--budget", "64MiB"]
+    serve = ["serve", "--model-dir", str(quant), "--host", "127.0.0.1", "--port", str(args.port), "--budget", "64MiB",
+             "--max-speech-seconds", "4"]  # the random tiny talker never stops speaking by itself
     print(f"\n$ orin-omni {shlex.join(serve)} &", flush=True)
     proc = subprocess.Popen(_cli() + serve)
     try:

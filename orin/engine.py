@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .errors import InputError, ModelError, UsageError
 
 log = logging.getLogger("orin.engine")
 SAMPLE_RATE = 24000
-DECODE_MODES = ("eager", "static", "graph")
+DECODE_MODES = ("eager", "static", "graph", "compiled")
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ class EngineConfig:
     verify_checksums: bool = True
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     prefetch: bool = True
-    # Thinker decode: "eager" = HF modules with a dynamic cache; "static" = orin.fastdecode (static KV cache,
-    # fused INT4 MoE, no host sync); "graph" = "static" captured in a CUDA graph (CUDA only; "static" on CPU).
+    # Decoding (thinker, talker, code predictor): "eager" = HF modules with dynamic caches and generate();
+    # "static" = orin.fastdecode (static KV caches, fused INT4 MoE, no host sync); "graph" = "static" captured in
+    # CUDA graphs; "compiled" = "graph" with the layer function through torch.compile (CUDA; "static" on CPU).
     decode: str = "eager"
 
 
@@ -154,7 +156,8 @@ class Engine:
         if cfg.decode not in DECODE_MODES:
             raise UsageError(f"decode mode {cfg.decode!r}: use one of {', '.join(DECODE_MODES)}")
         self.decode = cfg.decode  # may be switched between requests (the benchmark compares the modes)
-        self._decoder = None
+        self._decoders: dict = {}
+        self._embed_cache: dict = {}
 
     # ------------------------------------------------------------------ public API
 
@@ -323,8 +326,8 @@ class Engine:
         ids = inputs["input_ids"]
         with self.meter.stage("thinker_prefill"):
             cache, hidden_states, logits = self._thinker_prefill(inputs, ids, audio_feats, image_out, req.speech)
-        if self.decode != "eager":
-            cache = self._fast_decoder().start(cache, int(ids.shape[1]) + req.max_new_tokens)
+        if self.decode != "eager" and (fast := self._fast("thinker")).supported():
+            cache = fast.start(cache, int(ids.shape[1]) + req.max_new_tokens)
         token = self._sample(logits, req.temperature, req.top_p, gen)
         run.ttft = time.perf_counter() - run.t0
         run.decode_start = time.perf_counter()
@@ -355,6 +358,8 @@ class Engine:
                 logits = self._thinker_step(token, cache)
             token = self._sample(logits, req.temperature, req.top_p, gen)
         run.decode_end = time.perf_counter()
+        if req.speech and not streaming:
+            self._remember_embeddings(run.tokens)
         tail = detok.flush()
         if tail:
             yield TextDelta(tail, [])
@@ -403,13 +408,40 @@ class Engine:
         logits = thinker.lm_head(out.last_hidden_state[:, -1:])
         return cache, out.hidden_states, logits[:, -1]
 
-    def _fast_decoder(self):
-        from .fastdecode import ThinkerDecoder
+    def _fast(self, kind: str):
+        """The orin.fastdecode decoder of `kind` (thinker, talker, code_predictor) for the current mode."""
+        from . import fastdecode
 
-        if self._decoder is None:
-            self._decoder = ThinkerDecoder(self.model, self.device)
-        self._decoder.graph_enabled = self.decode == "graph" and self.device.type == "cuda"
-        return self._decoder
+        key = (kind, self.decode == "compiled")
+        if key not in self._decoders:
+            make = {"thinker": fastdecode.ThinkerDecoder, "talker": fastdecode.TalkerDecoder,
+                    "code_predictor": fastdecode.CodePredictor}[kind]
+            self._decoders[key] = make(self.model, self.device, compile=self.decode == "compiled")
+        dec = self._decoders[key]
+        dec.graph_enabled = self.decode in ("graph", "compiled") and self.device.type == "cuda"
+        return dec
+
+    def _remember_embeddings(self, tokens) -> None:
+        """Keep the thinker's input embeddings of the generated tokens and the TTS specials: when speech follows
+        the text under a budget, the talker runs after the thinker (and its embedding table) is swapped out."""
+        import torch
+
+        ids = sorted(set(tokens) | {self.config.tts_bos_token_id, self.config.tts_eos_token_id,
+                                    self.config.tts_pad_token_id})
+        table = self.model.thinker.model.get_input_embeddings()(torch.tensor([ids], device=self.device))
+        self._embed_cache = {t: table[:, i:i + 1] for i, t in enumerate(ids)}
+
+    def _text_embeddings(self, ids):
+        """Thinker input embeddings [1, n, H] of token ids [1, n]: from the table while the thinker is resident,
+        else from what _remember_embeddings kept."""
+        import torch
+
+        if self.loader.is_resident("thinker_text"):
+            return self.model.thinker.model.get_input_embeddings()(ids)
+        try:
+            return torch.cat([self._embed_cache[int(t)] for t in ids.reshape(-1).tolist()], dim=1)
+        except KeyError as exc:
+            raise ModelError(f"token {exc} has no remembered embedding while the thinker is swapped out") from exc
 
     def _thinker_step(self, token: int, cache):
         import torch
@@ -530,6 +562,7 @@ class _Talker:
         self.next_code = None
         self.past_hidden = None
         self.gen = None
+        self.fast = None  # orin.fastdecode.StaticDecoder once the prefill is done, when decode != "eager"
 
     def _proj(self, embeds):
         return self.e.model.talker.text_projection(embeds)
@@ -538,7 +571,7 @@ class _Talker:
         import torch
 
         tok = torch.tensor([[token]], device=self.e.device)
-        return self.e.model.thinker.model.get_input_embeddings()(tok)
+        return self.e._text_embeddings(tok)
 
     def prefill(self) -> None:
         import torch
@@ -566,7 +599,7 @@ class _Talker:
         a_start = int(starts.flatten()[-1])
         specials = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]],
                                 device=ids.device)
-        bos, eos, pad = self._proj(model.thinker.get_input_embeddings()(specials)).chunk(3, dim=1)
+        bos, eos, pad = self._proj(self.e._text_embeddings(specials)).chunk(3, dim=1)
         self.tts_eos, self.tts_pad = eos, pad
         first = self._thinker_embed_of(self.run.tokens[0])
         embed_all = torch.cat([self.thinker_embed, first], dim=1)
@@ -586,6 +619,9 @@ class _Talker:
         out = model.talker(inputs_embeds=embeds, talker_input_ids=talker_ids, attention_mask=mask,
                            past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kwargs)
         self._after_forward(out)
+        if self.e.decode != "eager" and (dec := self.e._fast("talker")).supported():
+            max_frames = self.run.req.max_audio_frames or (self.run.req.max_new_tokens * 8 + 32)
+            self.fast = dec.start(self.cache, int(embeds.shape[1]) + max_frames + 2)
 
     def _after_forward(self, out) -> None:
         self.past_hidden = out.hidden_states[0][-1][:, -1:]
@@ -632,16 +668,20 @@ class _Talker:
         code = torch.tensor([[self.next_code]], device=self.e.device)
         last_id_hidden = model.talker.get_input_embeddings()(code)
         cp = model.talker.code_predictor
-        cp_kwargs = {"do_sample": self.run.req.talker_temperature > 0}
-        if cp_kwargs["do_sample"]:
-            cp_kwargs.update(top_k=50, top_p=0.8)
-        pred = cp.generate(inputs_embeds=torch.cat((self.past_hidden, last_id_hidden), dim=1),
-                           max_new_tokens=tk.num_code_groups - 1, output_hidden_states=True,
-                           return_dict_in_generate=True, **cp_kwargs)
-        frame = torch.cat((code, pred.sequences.to(code.device)), dim=-1)[0]
-        mid = [h[0] for h in pred.hidden_states[1:]]
-        last = cp.get_input_embeddings()[-1](pred.sequences[..., -1:])
-        embeds = torch.cat([last_id_hidden] + mid + [last], dim=1).sum(1, keepdim=True)
+        if self.fast is not None and self.run.req.talker_temperature <= 0:
+            codes, embeds = self.e._fast("code_predictor").run(self.past_hidden, last_id_hidden)
+            frame = torch.cat((code[0], codes))
+        else:
+            cp_kwargs = {"do_sample": self.run.req.talker_temperature > 0}
+            if cp_kwargs["do_sample"]:
+                cp_kwargs.update(top_k=50, top_p=0.8)
+            pred = cp.generate(inputs_embeds=torch.cat((self.past_hidden, last_id_hidden), dim=1),
+                               max_new_tokens=tk.num_code_groups - 1, output_hidden_states=True,
+                               return_dict_in_generate=True, **cp_kwargs)
+            frame = torch.cat((code, pred.sequences.to(code.device)), dim=-1)[0]
+            mid = [h[0] for h in pred.hidden_states[1:]]
+            last = cp.get_input_embeddings()[-1](pred.sequences[..., -1:])
+            embeds = torch.cat([last_id_hidden] + mid + [last], dim=1).sum(1, keepdim=True)
         kind, token = text
         if kind == "token":
             embeds = embeds + self._proj(self._thinker_embed_of(token))
@@ -649,8 +689,12 @@ class _Talker:
             embeds = embeds + self.tts_eos
         else:
             embeds = embeds + self.tts_pad
-        out = model.talker(inputs_embeds=embeds, past_key_values=self.cache, use_cache=True,
-                           output_hidden_states=True, generation_step=self.step_index)
+        if self.fast is not None:
+            logits, hidden = self.fast.step_embeds(embeds)
+            out = SimpleNamespace(logits=logits.unsqueeze(1), hidden_states=((hidden,),))
+        else:
+            out = model.talker(inputs_embeds=embeds, past_key_values=self.cache, use_cache=True,
+                               output_hidden_states=True, generation_step=self.step_index)
         self.step_index += 1
         self._after_forward(out)
         return frame.cpu()

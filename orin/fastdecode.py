@@ -1,27 +1,30 @@
-"""Thinker decode with a static KV cache, one token per call, captured in a CUDA graph on the GPU.
+"""Decoding with static KV caches, one position per call, captured in CUDA graphs: the thinker, the talker and
+the talker's code predictor.
 
-Decoding one token through the HF modules with a dynamic cache costs ~3,000 kernel launches and a host sync
-per MoE layer (the per-expert token counts): at batch 1 the GPU waits on Python. Here the step is the same math
-over the same modules (norms, rotary, router, INT4 projections are called as they are), reorganised so that
+Decoding one token through the HF modules with a dynamic cache costs thousands of kernel launches and a host
+sync per MoE layer (the per-expert token counts); at batch 1 the GPU waits on Python. Here a decoder layer is one
+pure function of tensors (`decoder_layer`), the same math as the HF layer it replaces, reorganised so that
 nothing depends on host values:
 
-- the KV cache is a fixed [1, kv_heads, max_len, head_dim] buffer per layer; the new key/value is written at the
-  position held in a device tensor and attention masks the unused tail;
-- grouped-query attention runs as one SDPA call with the query heads of a group as the query rows of its KV head;
-- the MoE block gathers the 8 chosen experts' packed INT4 weights on the device and runs them as two matmuls:
-  gate/up of all 8 concatenated along N (same input), down of all 8 concatenated along K (the routing weight
-  applied to each expert's input first), which sums the experts inside the kernel. torch's int4pack layout is
-  tile-local ([N/8, K/(16*tiles), 32, tiles/2]), so concatenating packed tiles is packing the concatenated
-  matrix.
+- the KV cache is a fixed [1, kv_heads, max_len, head_dim] buffer per layer; new keys/values are written at
+  positions held in a device tensor and attention masks the unused tail;
+- grouped-query attention is one SDPA call with the query heads of a group as query rows of its KV head;
+- the MoE block gathers the chosen experts' packed INT4 weights on the device and runs them as two matmuls:
+  gate/up of all k concatenated along N (same input), down of all k concatenated along K with each expert's
+  routing weight applied to its input first, so the kernel sums the experts. torch's CUDA int4pack layout is
+  tile-local ([N/8, K/(16*tiles), 32, tiles/2]): concatenating packed tiles is packing the concatenated
+  matrix. On CPU the k experts run one by one (same math, no host sync either).
 
-On CUDA the whole step (48 layers, lm_head) is captured once per weight placement and replayed per token; a
-placement change (the thinker swapped out and back in) is detected from the tensors' addresses and recaptured.
-On CPU the same code runs eagerly with the experts' own forward (tests compare it with the HF path).
+On CUDA each decoder is captured once per weight placement and replayed per position (a placement change, the
+component swapped out and back in, is detected from the tensors' addresses and recaptured). With `compile=True`
+the layer function goes through torch.compile first (one compilation per layer shape, shared by all layers),
+fusing the elementwise work between the matmuls; if that fails the plain function is captured instead.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,93 +32,363 @@ import torch.nn.functional as F
 log = logging.getLogger("orin.fastdecode")
 
 
-def _int4_experts(module) -> bool:
-    from .int4 import Int4Experts
-
-    return isinstance(module, Int4Experts)
+# ---------------------------------------------------------------------- the layer, as a pure function
 
 
-def fused_moe_int4(experts, h: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-    """One token's MoE output through the chosen experts of an Int4Experts (CUDA packed layout), no host sync.
+@dataclass(frozen=True)
+class LinearSpec:
+    """Static shape of one projection: dense (bf16 weight) or INT4 (int4pack weight + scales_and_zeros)."""
 
-    h [1, H] bf16, top_idx [1, k] long, top_w [1, k]. Returns [1, H] in h's dtype."""
-    k = top_idx.shape[1]
-    sel = top_idx.reshape(-1)
-    H, inter = experts.hidden_dim, experts.intermediate_dim
-    kg_gu, K_gu, Np_gu = experts._geom["gate_up"]
-    kg_dn, K_dn, Np_dn = experts._geom["down"]
-    x = h.to(experts.compute_dtype)
+    int4: bool
+    k: int
+    n: int
+    k_run: int = 0
+    n_pad: int = 0
+    group: int = 0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    qk_eps: float
+    scaling: float
+    q: LinearSpec
+    k: LinearSpec
+    v: LinearSpec
+    o: LinearSpec
+    mlp: str  # "dense" | "moe" | "moe+shared"
+    top_k: int = 0
+    norm_topk: bool = True
+    inter: int = 0
+    gate_up: tuple = ()  # MoE: (kernel group, K_run, N_pad) of the fused gate/up and of down
+    down: tuple = ()
+    dense: tuple[LinearSpec, ...] = ()  # gate, up, down of a dense MLP or of the shared expert
+    fused_moe: bool = True  # the concatenated-experts path (CUDA packed layout)
+
+
+def _int4_mm(x, w, group, sz):
+    if x.is_cuda:
+        return torch.ops.aten._weight_int4pack_mm(x, w, group, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+
+
+def _linear(x, spec: LinearSpec, w: tuple):
+    """x [T, k] -> [T, n]; w is (weight[, bias]) for dense, (packed, scales_and_zeros[, bias]) for INT4."""
+    if not spec.int4:
+        return F.linear(x, w[0], w[1] if spec.bias else None)
+    x = x.to(w[1].dtype)
+    if spec.k_run > spec.k:
+        x = F.pad(x, (0, spec.k_run - spec.k))
+    y = _int4_mm(x.contiguous(), w[0], spec.group, w[1])
+    if spec.n_pad > spec.n:
+        y = y[:, :spec.n]
+    if spec.bias:
+        y = y + w[2]
+    return y
+
+
+def _rms(x, weight, eps: float):
+    """HF's RMSNorm: normalise in float32, round to the input dtype, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _route(h, spec: LayerSpec, w: dict):
+    """HF's top-k router: softmax in float32, top-k, renormalised, in h's dtype."""
+    probs = torch.softmax(F.linear(h, w["router"]), dim=-1, dtype=torch.float)
+    top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(h.dtype), top_i
+
+
+def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
+    """The chosen INT4 experts of T tokens, weighted and summed (see the module doc), no host sync."""
+    T = h.shape[0]
+    kg_gu, K_gu, Np_gu = spec.gate_up
+    kg_dn, K_dn, Np_dn = spec.down
+    H, inter, k = spec.hidden, spec.inter, spec.top_k
+    gu_all, gu_sz_all, dn_all, dn_sz_all = experts
+    x = h.to(gu_sz_all.dtype)
     if K_gu > H:
         x = F.pad(x, (0, K_gu - H))
-    # gate/up: the k experts stacked along N (packed dim 0, scales dim 1).
-    gu_w = experts.gate_up_packed.index_select(0, sel)
-    gu_w = gu_w.reshape(k * gu_w.shape[1], *gu_w.shape[2:])
-    gu_sz = experts.gate_up_scales_and_zeros.transpose(0, 1).index_select(1, sel)
-    gu_sz = gu_sz.reshape(gu_sz.shape[0], k * Np_gu, 2)
-    gu = torch.ops.aten._weight_int4pack_mm(x.contiguous(), gu_w, kg_gu, gu_sz).view(k, Np_gu)
-    act = experts.act_fn(gu[:, :inter]) * gu[:, inter:2 * inter]
-    act = act * top_w.reshape(k, 1).to(act.dtype)
-    if K_dn > inter:
-        act = F.pad(act, (0, K_dn - inter))
-    # down: the k experts stacked along K (packed dim 1, scales dim 0): one matmul sums them.
-    dn_w = experts.down_packed.transpose(0, 1).index_select(1, sel)
-    dn_w = dn_w.reshape(dn_w.shape[0], k * dn_w.shape[2], *dn_w.shape[3:])
-    dn_sz = experts.down_scales_and_zeros.index_select(0, sel)
-    dn_sz = dn_sz.reshape(k * dn_sz.shape[1], Np_dn, 2)
-    out = torch.ops.aten._weight_int4pack_mm(act.reshape(1, k * K_dn).contiguous(), dn_w, kg_dn, dn_sz)
-    return out[:, :H].to(h.dtype)
+    outs = []
+    for t in range(T):
+        sel = top_i[t]
+        xt = x[t:t + 1].contiguous()
+        if spec.fused_moe:
+            gu_w = gu_all.index_select(0, sel)
+            gu_w = gu_w.reshape(k * gu_w.shape[1], *gu_w.shape[2:])
+            gu_sz = gu_sz_all.transpose(0, 1).index_select(1, sel)
+            gu_sz = gu_sz.reshape(gu_sz.shape[0], k * Np_gu, 2)
+            gu = _int4_mm(xt, gu_w, kg_gu, gu_sz).view(k, Np_gu)
+        else:
+            gu = torch.cat([_int4_mm(xt, gu_all.index_select(0, sel[j:j + 1])[0], kg_gu,
+                                     gu_sz_all.index_select(0, sel[j:j + 1])[0]) for j in range(k)])
+        act = F.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+        act = act * top_w[t].reshape(k, 1).to(act.dtype)
+        if K_dn > inter:
+            act = F.pad(act, (0, K_dn - inter))
+        if spec.fused_moe:
+            dn_w = dn_all.transpose(0, 1).index_select(1, sel)
+            dn_w = dn_w.reshape(dn_w.shape[0], k * dn_w.shape[2], *dn_w.shape[3:])
+            dn_sz = dn_sz_all.index_select(0, sel)
+            dn_sz = dn_sz.reshape(k * dn_sz.shape[1], Np_dn, 2)
+            out = _int4_mm(act.reshape(1, k * K_dn).contiguous(), dn_w, kg_dn, dn_sz)
+        else:
+            out = sum(_int4_mm(act[j:j + 1].contiguous(), dn_all.index_select(0, sel[j:j + 1])[0], kg_dn,
+                               dn_sz_all.index_select(0, sel[j:j + 1])[0]) for j in range(k))
+        outs.append(out[:, :H])
+    return (torch.cat(outs) if T > 1 else outs[0]).to(h.dtype)
 
 
-class ThinkerDecoder:
-    """Static-cache thinker decoding for one sequence. `start(cache, max_len)` after the HF prefill, then
-    `step(token) -> logits [1, vocab]` per generated token."""
+def _moe(h, spec: LayerSpec, w: dict):
+    """Routed experts (+ the gated shared expert, as the talker has) for T tokens."""
+    top_w, top_i = _route(h, spec, w)
+    y = _experts(h, spec, w["experts"], top_w, top_i)
+    if spec.mlp == "moe+shared":
+        g, u, d = spec.dense
+        shared = _linear(F.silu(_linear(h, g, w["shared_gate"])) * _linear(h, u, w["shared_up"]), d,
+                         w["shared_down"])
+        y = y + torch.sigmoid(F.linear(h, w["shared_expert_gate"])) * shared
+    return y
 
-    def __init__(self, model, device: torch.device, graph: bool | None = None):
-        thinker = model.thinker
-        self.thinker = thinker
-        self.lm = thinker.model.language_model
-        self.cfg = self.lm.config
+
+def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec):
+    """One decoder layer for T positions. x [T, H]; cos/sin [T, head_dim]; pos [T] cache positions; mask
+    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group); the caches are updated in
+    place. Returns the layer's output [T, H]."""
+    T = x.shape[0]
+    hd, kv = spec.head_dim, spec.kv_heads
+    rep = spec.heads // kv
+    h = _rms(x, w["ln1"], spec.eps)
+    q = _rms(_linear(h, spec.q, w["q"]).view(T, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
+    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+    v = _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    k_cache.index_copy_(2, pos, k.unsqueeze(0))
+    v_cache.index_copy_(2, pos, v.unsqueeze(0))
+    qg = q.reshape(1, kv, rep * T, hd)
+    att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)
+    att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
+    x = x + _linear(att, spec.o, w["o"])
+    h = _rms(x, w["ln2"], spec.eps)
+    if spec.mlp == "dense":
+        g, u, d = spec.dense
+        return x + _linear(F.silu(_linear(h, g, w["gate"])) * _linear(h, u, w["up"]), d, w["down"])
+    return x + _moe(h, spec, w)
+
+
+# ---------------------------------------------------------------------- reading the HF modules
+
+
+def _linear_of(module) -> tuple[LinearSpec, tuple]:
+    from .int4 import Int4Linear
+
+    if isinstance(module, Int4Linear):
+        spec = LinearSpec(True, module.in_features, module.out_features, module.padded_in_features,
+                          module.padded_out_features, module.kernel_group_size, module.bias is not None)
+        tensors = (module.weight_packed, module.scales_and_zeros) + ((module.bias,) if spec.bias else ())
+        return spec, tensors
+    spec = LinearSpec(False, module.in_features, module.out_features, bias=module.bias is not None)
+    return spec, (module.weight,) + ((module.bias,) if spec.bias else ())
+
+
+def _silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def supported(layer) -> bool:
+    """Whether decoder_layer computes this HF layer: SiLU MLPs, and INT4 experts where there is a MoE."""
+    from .int4 import Int4Experts
+
+    mlp = layer.mlp
+    if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+        if not isinstance(mlp.experts, Int4Experts) or not _silu(mlp.experts.act_fn):
+            return False
+        shared = getattr(mlp, "shared_expert", None)
+        return shared is None or _silu(shared.act_fn)
+    return _silu(getattr(mlp, "act_fn", None))
+
+
+def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:
+    attn = layer.self_attn
+    w: dict = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+               "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+    specs = {}
+    for name in ("q", "k", "v", "o"):
+        specs[name], w[name] = _linear_of(getattr(attn, f"{name}_proj"))
+    mlp = layer.mlp
+    common = dict(hidden=layer.input_layernorm.weight.shape[0], heads=specs["q"].n // attn.head_dim,
+                  kv_heads=specs["k"].n // attn.head_dim, head_dim=attn.head_dim,
+                  eps=layer.input_layernorm.variance_epsilon, qk_eps=attn.q_norm.variance_epsilon,
+                  scaling=attn.scaling, **specs)
+    if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+        ex = mlp.experts
+        w["router"] = mlp.gate.weight
+        w["experts"] = (ex.gate_up_packed, ex.gate_up_scales_and_zeros, ex.down_packed, ex.down_scales_and_zeros)
+        dense = ()
+        kind = "moe"
+        if hasattr(mlp, "shared_expert"):
+            kind = "moe+shared"
+            sp = mlp.shared_expert
+            parts = [_linear_of(sp.gate_proj), _linear_of(sp.up_proj), _linear_of(sp.down_proj)]
+            dense = tuple(p[0] for p in parts)
+            w["shared_gate"], w["shared_up"], w["shared_down"] = (p[1] for p in parts)
+            w["shared_expert_gate"] = mlp.shared_expert_gate.weight
+        spec = LayerSpec(**common, mlp=kind, top_k=mlp.gate.top_k, norm_topk=mlp.gate.norm_topk_prob,
+                         inter=ex.intermediate_dim, gate_up=ex._geom["gate_up"], down=ex._geom["down"], dense=dense,
+                         fused_moe=device.type == "cuda")
+    else:
+        parts = [_linear_of(mlp.gate_proj), _linear_of(mlp.up_proj), _linear_of(mlp.down_proj)]
+        w["gate"], w["up"], w["down"] = (p[1] for p in parts)
+        spec = LayerSpec(**common, mlp="dense", dense=tuple(p[0] for p in parts))
+    return spec, w
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class _Runner:
+    """Captures a zero-argument step function in a CUDA graph (re-captured when the weights move), or calls
+    it eagerly off CUDA; optionally compiles the layer function first."""
+
+    def __init__(self, device: torch.device, graph: bool, compile: bool):
         self.device = device
-        self.graph_enabled = device.type == "cuda" if graph is None else graph
-        self.max_len = 0
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
+        self.graph_enabled = graph and device.type == "cuda"
+        self.compile = compile
+        self.layer_fn = decoder_layer
+        self._compiled = None
         self._graph = None
         self._fingerprint = None
-        self.length = 0
+        self._out = None
         self.captures = 0
+        self.compile_error: str | None = None
+        self.check = True  # compare the weights' addresses with the capture's before the next replay
 
-    # ------------------------------------------------------------------ state
+    def _layer(self):
+        if not self.compile:
+            return decoder_layer
+        if self._compiled is None:
+            self._compiled = torch.compile(decoder_layer, dynamic=False, fullgraph=False)
+        return self._compiled
 
-    def _weights(self) -> list[torch.Tensor]:
-        tensors = [t for t in self.lm.parameters()] + [t for t in self.lm.buffers() if t is not None]
-        tensors += [t for t in self.thinker.lm_head.parameters()]
-        return tensors
+    def run(self, fn, fingerprint_of):
+        if not self.graph_enabled:
+            return fn(decoder_layer)
+        if self._graph is None or self.check:
+            fingerprint = tuple(t.data_ptr() for t in fingerprint_of())
+            if self._graph is None or fingerprint != self._fingerprint:
+                self._capture(fn)
+                self._fingerprint = fingerprint
+            self.check = False
+        self._graph.replay()
+        torch.cuda.current_stream(self.device).synchronize()  # a step's time is its own, not the next op's
+        return self._out
 
-    def _fused_ok(self) -> bool:
-        return self.device.type == "cuda" and all(
-            _int4_experts(getattr(layer.mlp, "experts", None)) for layer in self.lm.layers
-            if hasattr(layer.mlp, "gate"))
+    def _capture(self, fn) -> None:
+        layer = self._layer()
+        try:
+            self._graph, self._out = self._capture_with(fn, layer)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop decoding
+            if layer is decoder_layer:
+                raise
+            self.compile_error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("torch.compile of the decoder layer failed (%s); capturing it uncompiled", exc)
+            self.compile = False
+            self._graph, self._out = self._capture_with(fn, decoder_layer)
+        self.captures += 1
+
+    def _capture_with(self, fn, layer):
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: compilation, library handles and workspaces stay out of the capture
+                fn(layer)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(layer)
+        return graph, out
+
+    def release(self) -> None:
+        self._graph, self._out, self._fingerprint = None, None, None
+
+
+# ---------------------------------------------------------------------- thinker and talker
+
+
+class StaticDecoder:
+    """Static-cache decoding of one sequence after an HF prefill: `start(cache, max_len)`, then `step(token)`
+    (thinker: returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
+
+    def __init__(self, text_model, head, rope_owner, device: torch.device, graph: bool | None = None,
+                 compile: bool = False):
+        self.model, self.head, self.rope_owner = text_model, head, rope_owner
+        self.cfg = text_model.config
+        self.device = device
+        self.runner = _Runner(device, device.type == "cuda" if graph is None else graph, compile)
+        self.max_len = 0
+        self.length = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    @property
+    def graph_enabled(self) -> bool:
+        return self.runner.graph_enabled
+
+    @graph_enabled.setter
+    def graph_enabled(self, value: bool) -> None:
+        self.runner.graph_enabled = value and self.device.type == "cuda"
+
+    @property
+    def captures(self) -> int:
+        return self.runner.captures
+
+    def supported(self) -> bool:
+        return all(supported(layer) for layer in self.model.layers)
 
     def _alloc(self, max_len: int) -> None:
         cfg = self.cfg
-        dtype = self.lm.embed_tokens.weight.dtype
+        dtype = self.head.weight.dtype
         shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.positions = torch.arange(max_len, device=self.device)
         self.tok = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.embeds = torch.zeros((1, 1, cfg.hidden_size), dtype=dtype, device=self.device)
         self.idx = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.delta = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.max_len = max_len
-        self._graph = None
+        self.runner.release()
 
     def release(self) -> None:
         """Drop the cache buffers and the graph (their memory goes back to the allocator)."""
-        self.k_cache, self.v_cache, self._graph, self._fingerprint, self.max_len = [], [], None, None, 0
+        self.k_cache, self.v_cache, self.max_len = [], [], 0
+        self.runner.release()
 
-    def start(self, cache, max_len: int) -> ThinkerDecoder:
-        """Take over the prefill's DynamicCache (keys/values copied into the static buffers)."""
+    def start(self, cache, max_len: int) -> StaticDecoder:
+        """Take over an HF DynamicCache after the prefill (keys/values copied into the static buffers)."""
         layers = cache.layers
         n = int(layers[0].keys.shape[2])
         if max_len > self.max_len or not self.k_cache:
@@ -124,83 +397,149 @@ class ThinkerDecoder:
         for i, layer in enumerate(layers):
             self.k_cache[i][:, :, :n].copy_(layer.keys)
             self.v_cache[i][:, :, :n].copy_(layer.values)
-        deltas = self.thinker.model.rope_deltas
+        deltas = getattr(self.rope_owner, "rope_deltas", None)
         self.delta.fill_(int(deltas.reshape(-1)[0]) if deltas is not None else 0)
         self.length = n
+        self.runner.check = True  # weights cannot move during a request, but may have between requests
         return self
 
-    # ------------------------------------------------------------------ the step
+    def _weights(self) -> list[torch.Tensor]:
+        return list(self.model.parameters()) + [b for b in self.model.buffers() if b is not None] + \
+            list(self.head.parameters())
 
-    def _attention(self, i: int, attn, h: torch.Tensor, cos, sin, mask) -> torch.Tensor:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
-
-        hd = attn.head_dim
-        q = attn.q_norm(attn.q_proj(h).view(1, 1, -1, hd)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(h).view(1, 1, -1, hd)).transpose(1, 2)
-        v = attn.v_proj(h).view(1, 1, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        self.k_cache[i].index_copy_(2, self.idx, k)
-        self.v_cache[i].index_copy_(2, self.idx, v)
-        kv_heads = k.shape[1]
-        # The query heads of group g are rows of one query block against KV head g (HF's repeat_kv order).
-        qg = q.reshape(1, kv_heads, -1, hd)
-        out = F.scaled_dot_product_attention(qg, self.k_cache[i], self.v_cache[i], attn_mask=mask,
-                                             scale=attn.scaling)
-        return attn.o_proj(out.reshape(1, 1, -1))
-
-    def _mlp(self, mlp, h: torch.Tensor) -> torch.Tensor:
-        if not hasattr(mlp, "gate"):
-            return mlp(h)
-        flat = h.reshape(1, -1)
-        _, weights, index = mlp.gate(flat)
-        if self.device.type == "cuda" and _int4_experts(mlp.experts):
-            out = fused_moe_int4(mlp.experts, flat, index, weights)
-        else:
-            out = mlp.experts(flat, index, weights)
-        return out.view_as(h)
-
-    def _forward(self) -> torch.Tensor:
-        lm = self.lm
-        x = lm.embed_tokens(self.tok)
+    def _forward(self, layer_fn, from_tokens: bool):
+        m = self.model
+        x = m.embed_tokens(self.tok)[0] if from_tokens else self.embeds[0]
         pos = (self.idx + self.delta).view(1, 1, 1).expand(3, 1, 1)
-        cos, sin = lm.rotary_emb(x, pos)
+        cos, sin = m.rotary_emb(x.unsqueeze(0), pos)
+        cos, sin = cos[0], sin[0]
         mask = (self.positions <= self.idx).view(1, 1, 1, -1)
-        for i, layer in enumerate(lm.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, mask)
-            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
-        return self.thinker.lm_head(lm.norm(x))[:, -1]
+        for i, layer in enumerate(m.layers):
+            spec, w = layer_weights(layer, self.device)
+            x = layer_fn(x, cos, sin, mask, self.idx, self.k_cache[i], self.v_cache[i], w, spec)
+        hidden = m.norm(x)
+        return self.head(hidden), hidden.unsqueeze(0)
 
-    def _capture(self) -> None:
-        torch.cuda.synchronize(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: library handles and workspaces are made outside the capture
-                self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._out = self._forward()
-        self._graph = graph
-        self.captures += 1
-
-    def step(self, token: int) -> torch.Tensor:
+    def _advance(self):
         if self.length >= self.max_len:
             raise RuntimeError(f"static KV cache full ({self.max_len} positions); start() with a larger max_len")
-        self.tok.fill_(token)
         self.idx.fill_(self.length)
-        if self.graph_enabled and self._fused_ok():
-            fingerprint = tuple(t.data_ptr() for t in self._weights())
-            if self._graph is None or fingerprint != self._fingerprint:
-                self._capture()
-                self._fingerprint = fingerprint
-            self._graph.replay()
-            logits = self._out
-            torch.cuda.current_stream(self.device).synchronize()  # the step's time is its own, not the next op's
-        else:
-            logits = self._forward()
+
+    def step(self, token: int) -> torch.Tensor:
+        self._advance()
+        self.tok.fill_(token)
+        logits, _ = self.runner.run(lambda fn: self._forward(fn, True), self._weights)
         self.length += 1
         return logits
 
+    def step_embeds(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._advance()
+        self.embeds.copy_(embeds.reshape(self.embeds.shape))
+        logits, hidden = self.runner.run(lambda fn: self._forward(fn, False), self._weights)
+        self.length += 1
+        return logits, hidden
 
-__all__ = ["ThinkerDecoder", "fused_moe_int4"]
+
+# Back-compatible name: the thinker's decoder.
+def ThinkerDecoder(model, device: torch.device, graph: bool | None = None, compile: bool = False) -> StaticDecoder:
+    thinker = model.thinker
+    return StaticDecoder(thinker.model.language_model, thinker.lm_head, thinker.model, device, graph, compile)
+
+
+def TalkerDecoder(model, device: torch.device, graph: bool | None = None, compile: bool = False) -> StaticDecoder:
+    talker = model.talker
+    return StaticDecoder(talker.model, talker.codec_head, talker, device, graph, compile)
+
+
+# ---------------------------------------------------------------------- code predictor
+
+
+class CodePredictor:
+    """The talker's code predictor, greedy, as one graph per frame: a 2-position prefill (the talker's last
+    hidden state and the frame's first code) then one position per residual code group, each with its own
+    lm_head and codec embedding. Returns (codes [groups-1], sum of the frame's codec embeddings)."""
+
+    def __init__(self, model, device: torch.device, graph: bool | None = None, compile: bool = False):
+        cp = model.talker.code_predictor
+        self.cp = cp
+        self.cfg = cp.config
+        self.device = device
+        self.runner = _Runner(device, device.type == "cuda" if graph is None else graph, compile)
+        self.groups = len(cp.lm_head)  # residual code groups (num_code_groups - 1)
+        self.built = False
+
+    @property
+    def graph_enabled(self) -> bool:
+        return self.runner.graph_enabled
+
+    @graph_enabled.setter
+    def graph_enabled(self, value: bool) -> None:
+        self.runner.graph_enabled = value and self.device.type == "cuda"
+
+    def _build(self) -> None:
+        cfg, dev = self.cfg, self.device
+        dtype = self.cp.lm_head[0].weight.dtype
+        max_len = -(-(self.groups + 1) // 8) * 8
+        shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        self.inputs = torch.zeros((2, cfg.hidden_size), dtype=dtype, device=dev)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        keys = torch.arange(max_len, device=dev)
+        # Prefill rows r*2+t (t = 0, 1) see keys <= t; step s (position s+1) sees keys <= s+1.
+        self.prefill_mask = (keys.view(1, -1) <= torch.arange(2, device=dev).repeat(rep).view(-1, 1)).view(
+            1, 1, 2 * rep, max_len)
+        self.step_masks = [(keys <= s + 1).view(1, 1, 1, max_len) for s in range(1, self.groups)]
+        self.positions = [torch.arange(2, device=dev)] + [torch.tensor([s + 1], device=dev)
+                                                          for s in range(1, self.groups)]
+        self.built = True
+
+    def _weights(self) -> list[torch.Tensor]:
+        return list(self.cp.parameters()) + [b for b in self.cp.buffers() if b is not None]
+
+    def _forward(self, layer_fn):
+        m = self.cp.model
+        x = self.inputs
+        codes, embeds = [], self.inputs[1:2]
+        for s in range(self.groups):
+            pos = self.positions[s]
+            mask = self.prefill_mask if s == 0 else self.step_masks[s - 1]
+            cos, sin = m.rotary_emb(x.unsqueeze(0), pos.view(1, -1))
+            cos, sin = cos[0], sin[0]
+            for i, layer in enumerate(m.layers):
+                spec, w = layer_weights(layer, self.device)
+                x = layer_fn(x, cos, sin, mask, pos, self.k_cache[i], self.v_cache[i], w, spec)
+            logits = self.cp.lm_head[s](m.norm(x[-1:]))
+            code = torch.argmax(logits, dim=-1)
+            codes.append(code)
+            emb = m.codec_embedding[s](code)
+            embeds = embeds + emb
+            x = emb
+        return torch.cat(codes), embeds.unsqueeze(0)
+
+    def run(self, past_hidden: torch.Tensor, last_id_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.built:
+            self._build()
+        self.inputs[0].copy_(past_hidden.reshape(-1))
+        self.inputs[1].copy_(last_id_hidden.reshape(-1))
+        return self.runner.run(self._forward, self._weights)
+
+    def release(self) -> None:
+        self.built = False
+        self.runner.release()
+
+
+def fused_moe_int4(experts, h: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """The routed-experts output as decoder_layer computes it (concatenated experts on CUDA), for checks
+    against Int4Experts.forward: h [T, H], top_idx [T, k], top_w [T, k] -> [T, H]."""
+    spec = LayerSpec(hidden=experts.hidden_dim, heads=1, kv_heads=1, head_dim=1, eps=0.0, qk_eps=0.0, scaling=1.0,
+                     q=None, k=None, v=None, o=None, mlp="moe", top_k=top_idx.shape[1],
+                     inter=experts.intermediate_dim, gate_up=experts._geom["gate_up"], down=experts._geom["down"],
+                     fused_moe=h.is_cuda)
+    tensors = (experts.gate_up_packed, experts.gate_up_scales_and_zeros, experts.down_packed,
+               experts.down_scales_and_zeros)
+    return _experts(h, spec, tensors, top_w.to(h.dtype), top_idx)
+
+
+__all__ = ["CodePredictor", "LayerSpec", "LinearSpec", "StaticDecoder", "TalkerDecoder", "ThinkerDecoder",
+           "decoder_layer", "fused_moe_int4", "layer_weights", "supported"]

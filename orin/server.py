@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 import select
 import signal
@@ -61,6 +62,7 @@ log = logging.getLogger("orin.server")
 MiB = 1 << 20
 # Label values for /metrics: anything else is "other", so scanners cannot blow up the label set.
 ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CODEC_FRAMES_PER_SECOND = 12.5  # Qwen3-Omni's talker: one codec frame per 80 ms of speech
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request", in metrics and logs only
 
 Hook = Callable[[str, object, threading.Event], None]
@@ -85,6 +87,7 @@ class ServeConfig:
     max_audio_seconds: float = 300.0
     max_image_pixels: int = 32 * MiB
     max_new_tokens: int = 8192
+    max_speech_seconds: float | None = None
     io_timeout_s: float = 30.0
     drain_s: float = 60.0
     stall_s: float = 300.0
@@ -653,6 +656,8 @@ class Server:
         from .engine import GenerationRequest
 
         extra = {"speaker": req.voice} if req.voice else {}
+        if self.cfg.max_speech_seconds is not None:
+            extra["max_audio_frames"] = max(1, math.ceil(self.cfg.max_speech_seconds * CODEC_FRAMES_PER_SECOND))
         return GenerationRequest(messages=req.messages, max_new_tokens=req.max_new_tokens, speech=req.audio_out,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, **extra)
 

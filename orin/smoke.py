@@ -25,6 +25,7 @@ from .units import format_bytes
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920  # Qwen3-Omni's code2wav: 12.5 codec frames per second at 24 kHz
+FRAMES_PER_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME
 MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 
@@ -42,6 +43,7 @@ class SmokeConfig:
     sysfs_root: str = "/sys"
     audio_seconds: float = 30.0
     max_new_tokens: int = 32
+    max_speech_seconds: float | None = None  # in-process only; a server applies its own --max-speech-seconds
     voice: str | None = None
     timeout_s: float = 600.0
 
@@ -201,9 +203,10 @@ def _json_or_error(raw: bytes) -> dict:
 class EngineTarget:
     """orin.engine in this process."""
 
-    def __init__(self, engine, voice: str | None = None):
+    def __init__(self, engine, voice: str | None = None, max_speech_seconds: float | None = None):
         self.engine = engine
         self.voice = voice
+        self.max_speech_seconds = max_speech_seconds
 
     def ask(self, case: Case, inputs: Inputs, max_new_tokens: int) -> Answer:
         from .engine import GenerationRequest
@@ -216,6 +219,8 @@ class EngineTarget:
             parts.append({"type": "audio", "audio": inputs.audio})
         parts.append({"type": "text", "text": case.prompt})
         extra = {"speaker": self.voice} if self.voice else {}
+        if self.max_speech_seconds is not None:
+            extra["max_audio_frames"] = max(1, math.ceil(self.max_speech_seconds * FRAMES_PER_SECOND))
         req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=max_new_tokens,
                                 speech=case.speech, **extra)
         try:
@@ -453,7 +458,7 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
                                      power_backend=cfg.power_backend, sysfs_root=cfg.sysfs_root))
     try:
         budget_seen = (engine.memory() or {}).get("budget")
-        target = EngineTarget(engine, cfg.voice)
+        target = EngineTarget(engine, cfg.voice, cfg.max_speech_seconds)
         checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
                                _peak_limit(cfg, budget_seen))
     finally:

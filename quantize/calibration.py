@@ -275,25 +275,29 @@ def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
 
 
 def split_heldout(convs: list[Conversation], holdout: int) -> set[int]:
-    """Indices to hold out for the report: taken from the end, first ones that bring a modality the held-out
-    set lacks (so every encoder gets a held-out error) as long as the calibration side keeps that modality."""
+    """Indices to hold out for the report, taken from the end: first conversations that bring a modality the
+    held-out set lacks (so every encoder gets a held-out error), then any; never one whose removal would leave
+    the calibration side without one of its modalities, unless nothing else can be held out."""
     chosen: list[int] = []
-    present = set().union(*(c.modalities for c in convs))
-    missing = set(present)
-    for i in reversed(range(len(convs))):
-        if len(chosen) >= holdout or missing <= {"text"}:
-            break
-        brings = convs[i].modalities & missing
+
+    def keeps(i: int) -> bool:
         left = [c for j, c in enumerate(convs) if j != i and j not in chosen]
-        keeps = all(any(m in c.modalities for c in left) for m in convs[i].modalities)
-        if brings - {"text"} and keeps:
+        return all(any(m in c.modalities for c in left) for m in convs[i].modalities)
+
+    missing = set().union(*(c.modalities for c in convs)) - {"text"}
+    for i in reversed(range(len(convs))):
+        if len(chosen) >= holdout or not missing:
+            break
+        if convs[i].modalities & missing and keeps(i):
             chosen.append(i)
             missing -= convs[i].modalities
     for i in reversed(range(len(convs))):
         if len(chosen) >= holdout:
             break
-        if i not in chosen:
+        if i not in chosen and keeps(i):
             chosen.append(i)
+    if not chosen and convs:
+        chosen.append(len(convs) - 1)
     return set(chosen)
 
 

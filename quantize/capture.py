@@ -167,19 +167,23 @@ _THINKER_FIRST_LAYER = {
 def capture_thinker_pass(model, samples, stacks: set[str], reference: bool
                          ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs]]:
     """First-layer calls of the thinker-side stacks in `stacks`, and (reference=True) the BF16 outputs of the
-    held-out samples, by sample name."""
+    held-out samples, by sample name. Calibration-only conversations stop at the text decoder's first layer:
+    the encoders run before it, and nothing after it is needed."""
     wanted = {s: model.get_submodule(p) for s, p in _THINKER_FIRST_LAYER.items() if s in stacks}
     data = {s: StackData() for s in wanted}
     refs: dict[str, ThinkerOutputs] = {}
     language_model = model.get_submodule(A.STACK_OF["thinker_text"].layers.rsplit(".", 1)[0])
+    decoder_start = model.get_submodule(_THINKER_FIRST_LAYER["thinker_text"])
     for sample in samples:
-        if not wanted and not (reference and sample.heldout):
+        keep_outputs = reference and sample.heldout
+        if not wanted and not keep_outputs:
             continue
         with record_first_calls(wanted) as calls, \
                 record_kwargs(language_model, ("visual_pos_masks", "deepstack_visual_embeds")) as deepstack:
-            outputs = run_thinker(model, sample.inputs)
-        if reference and sample.heldout:
-            refs[sample.name] = outputs
+            if keep_outputs:
+                refs[sample.name] = run_thinker(model, sample.inputs)
+            else:
+                _first_layer_calls(decoder_start, lambda s=sample: model.thinker(**s.inputs, use_cache=False))
         for stack, stack_calls in calls.items():
             for call in stack_calls:
                 if stack == "thinker_text" and deepstack and deepstack[0]["deepstack_visual_embeds"] is not None:
@@ -194,8 +198,9 @@ def capture_thinker_pass(model, samples, stacks: set[str], reference: bool
 @dataclass(frozen=True)
 class SpeechSettings:
     thinker_new_tokens: int = 64
-    talker_new_tokens: int = 256
+    talker_new_tokens: int = 128
     talker_min_new_tokens: int = 0
+    max_conversations: int = 32  # held-out ones always run; generate() is the slow part of calibration
 
 
 @dataclass
@@ -278,7 +283,9 @@ def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettin
     data = {s: StackData() for s in A.SPEECH_PASS if s in stacks}
     refs: dict[str, tuple[TalkerSequence, torch.Tensor]] = {}
     talker_layer0 = model.get_submodule(f"{A.STACK_OF['talker'].layers}.0")
-    for sample in samples:
+    heldout = [s for s in samples if s.heldout]
+    calib = [s for s in samples if not s.heldout][: max(1, settings.max_conversations - len(heldout))]
+    for sample in calib + heldout:
         talker, predictor_seqs, code2wav = generate_speech(model, sample, settings)
         if "talker" in data or (reference and sample.heldout):
             codes, calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
@@ -308,12 +315,22 @@ def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettin
 # ---------------------------------------------------------------------- per layer
 
 
+@dataclass
+class StageInputs:
+    """What one stage's members were fed over a list of calls: for a Linear a [rows, K] tensor per call, for an
+    experts member a (hidden [T, H], top_k_index [T, k]) pair per call. `source` identifies the tensor a member
+    was fed in the first call, so members fed the very same tensor (q/k/v, gate/up) can share a Hessian."""
+
+    inputs: dict[str, list]
+    source: dict[str, tuple]
+
+
 @torch.no_grad()
-def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Member]) -> dict[str, list]:
-    """Inputs of one stage's members over `calls`: for a Linear a [rows, K] tensor per call, for an experts
-    member a (hidden [T, H], top_k_index [T, k]) pair per call. The forward stops once all were seen."""
+def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Member]) -> StageInputs:
+    """Run `layer` over `calls` with hooks on one stage's members; each forward stops once all were seen."""
     modules = {m.name: layer.get_submodule(m.name) for m in members}
     seen: dict[str, list] = {name: [] for name in modules}
+    source: dict[str, tuple] = {}
     pending: set[str] = set()
     handles = []
     for name, module in modules.items():
@@ -325,6 +342,7 @@ def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Mem
                 seen[_name].append((hidden.detach(), index.detach()))
             else:
                 x = args[0] if args else kwargs["input"]
+                source.setdefault(_name, (x.data_ptr(), tuple(x.shape), x.stride()))
                 seen[_name].append(x.detach().reshape(-1, x.shape[-1]))
             pending.discard(_name)
             if not pending:
@@ -340,7 +358,7 @@ def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Mem
     finally:
         for h in handles:
             h.remove()
-    return seen
+    return StageInputs(seen, source)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ atomically and only then add its manifest entry and its report.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -57,8 +58,9 @@ class QuantConfig:
     damp: float = 0.05
     seed: int = 0
     thinker_new_tokens: int = 64  # speech pass: reply tokens the thinker generates per conversation
-    talker_new_tokens: int = 256  # speech pass: codec frames the talker generates at most
+    talker_new_tokens: int = 128  # speech pass: codec frames the talker generates at most (~10 s of speech)
     talker_min_new_tokens: int = 0
+    speech_samples: int = 32  # speech pass: conversations run through generate() (plus the held-out ones)
     force: bool = False
     progress: bool | None = None  # None: bars when stderr is a terminal
 
@@ -77,98 +79,152 @@ def quantizer_name() -> str:
 
 
 def run_quantize(cfg: QuantConfig) -> Manifest:
+    """Quantize the unfinished (or, with force, all) requested segments of cfg.model into cfg.out."""
     log = Progress(cfg.progress)
     plan = _validate(cfg)
-    out, model_dir, split, names = plan["out"], plan["model_dir"], plan["split"], plan["names"]
-    manifest = _prepare_out(cfg, out, model_dir, plan["config_sha"], split)
-    todo = [n for n in names if cfg.force or n not in manifest.segments]
-    done = [n for n in names if n not in todo]
+    with _exclusive(plan["out"]):
+        return _run(cfg, plan, log)
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """One quantize run per OUT at a time: a second one would interleave segment writes and manifest updates.
+    The lock file is hidden inside OUT and stays (removing it would race with a starting run)."""
+    import fcntl
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".quantize.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise UsageError(f"another orin-omni quantize is writing {out}; wait for it to finish") from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
+    out, split = plan["out"], plan["split"]
+    manifest, wipe = _resume_state(cfg, out, plan["config_sha"], split)
+    finished = manifest.segments if manifest is not None else {}
+    todo = [n for n in plan["names"] if cfg.force or n not in finished]
+    done = [n for n in plan["names"] if n not in todo]
     if done:
         verify_files(out, manifest, done)
         log.log(f"skipping finished segment(s) {', '.join(done)} (checksums verified; --force redoes them)")
     if not todo:
         return manifest
-
+    # Every calibration entry and its media are checked before anything in OUT changes.
     convs = _calibration(cfg, log)
-    import torch
-
-    from . import adapters as A
-    from .calibration import holdout_count, split_heldout, to_samples
-    from .capture import SpeechSettings, capture_speech_pass, capture_thinker_pass
-    from .gptq import GPTQSolver
-    from .sequential import StackOptions, StackQuantizer
-
-    comps_todo = {c for n in todo for c in split[n]}
-    _check_modalities(cfg, convs, comps_todo)
-    heldout = split_heldout(convs, holdout_count(len(convs)))
-
-    torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
-    model = _load_model(model_dir, plan["config"], device)
-    from orin.layout import find_targets
-    from orin.tiny import build_processor
-
-    processor = build_processor(model_dir)
-    samples = to_samples(processor, convs, heldout, device)
-    spec = cfg.spec
-    targets = find_targets(model, spec)
-    by_stack, tail = A.group_targets(targets)
-    stacks = {s for s in by_stack if s in comps_todo} | ({"thinker_text"} if tail and "thinker_text" in comps_todo
-                                                         else set())
-    log.log(f"calibration: {len(samples) - len(heldout)} conversations, {len(heldout)} held out for the report; "
-            f"device {device}")
-
-    thinker_side = comps_todo & {"thinker_text", "vision_encoder", "audio_encoder"}
-    data, thinker_refs = capture_thinker_pass(model, samples, stacks & set(A.THINKER_PASS), bool(thinker_side))
-    talker_refs = {}
-    if stacks & set(A.SPEECH_PASS) or "talker" in comps_todo:
-        if not getattr(model, "has_talker", False):
-            raise ModelError(f"{model_dir}: the config has enable_audio_output false (no talker); quantize a "
-                             "checkpoint with the talker, or leave the speech components out of --segments")
-        settings = SpeechSettings(cfg.thinker_new_tokens, cfg.talker_new_tokens, cfg.talker_min_new_tokens)
-        log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
-        speech_data, talker_refs = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS), settings,
-                                                       "talker" in comps_todo)
-        data.update(speech_data)
-
-    solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, device)
-    opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts)
+    comps = {c for n in todo for c in split[n]}
+    _check_modalities(cfg, convs, comps)
+    if manifest is None:
+        manifest = _create_out(cfg, out, plan["model_dir"], plan["config_sha"], split, wipe)
+    session = _Session.start(cfg, plan, comps, convs, log)
     for name in todo:
         if name in manifest.segments:
             manifest = remove_segment_entry(out, name)
+        manifest = session.quantize_segment(name, split[name])
+    return manifest
+
+
+@dataclass
+class _Session:
+    """The loaded BF16 model, the calibration samples and everything the BF16 passes recorded."""
+
+    cfg: QuantConfig
+    plan: dict
+    log: Progress
+    convs: list
+    heldout: set
+    model: object
+    samples: list
+    targets: list
+    by_stack: dict
+    tail: list
+    stacks: set  # the stacks (components) to quantize in this run
+    data: dict  # stack -> StackData
+    thinker_refs: dict
+    talker_refs: dict
+
+    @classmethod
+    def start(cls, cfg: QuantConfig, plan: dict, comps: set[str], convs: list, log: Progress) -> _Session:
+        import torch
+
+        from orin.layout import find_targets
+        from orin.tiny import build_processor
+
+        from . import adapters as A
+        from .calibration import holdout_count, split_heldout, to_samples
+        from .capture import SpeechSettings, capture_speech_pass, capture_thinker_pass
+
+        heldout = split_heldout(convs, holdout_count(len(convs)))
+        torch.manual_seed(cfg.seed)
+        device = _device(cfg.device)
+        model = _load_model(plan["model_dir"], plan["config"], device)
+        samples = to_samples(build_processor(plan["model_dir"]), convs, heldout, device)
+        targets = find_targets(model, cfg.spec)
+        by_stack, tail = A.group_targets(targets)
+        stacks = {s for s in by_stack if s in comps} | ({"thinker_text"} & comps if tail else set())
+        log.log(f"calibration: {len(samples) - len(heldout)} conversations, {len(heldout)} held out for the "
+                f"report; device {device}")
+        thinker_side = bool(comps & {"thinker_text", "vision_encoder", "audio_encoder"})
+        data, thinker_refs = capture_thinker_pass(model, samples, stacks & set(A.THINKER_PASS), thinker_side)
+        talker_refs: dict = {}
+        if stacks & set(A.SPEECH_PASS) or "talker" in comps:
+            if not getattr(model, "has_talker", False):
+                raise ModelError(f"{plan['model_dir']}: the config has enable_audio_output false (no talker); "
+                                 "leave the speech components out of --segments")
+            log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
+            settings = SpeechSettings(cfg.thinker_new_tokens, cfg.talker_new_tokens, cfg.talker_min_new_tokens,
+                                      cfg.speech_samples)
+            speech, talker_refs = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS), settings,
+                                                      "talker" in comps)
+            data.update(speech)
+        return cls(cfg, plan, log, convs, heldout, model, samples, targets, by_stack, tail, stacks, data,
+                   thinker_refs, talker_refs)
+
+    def quantize_segment(self, name: str, comps: tuple[str, ...]) -> Manifest:
+        """GPTQ the segment's stacks in pipeline order, measure it, write OUT/<name>/, then add its entry."""
+        from . import adapters as A
+        from .gptq import GPTQSolver
+        from .report import segment_report, update_report
+        from .sequential import StackOptions, StackQuantizer
+
+        cfg = self.cfg
         started = utc_now()
-        comps = split[name]
-        log.log(f"segment {name}: {' + '.join(comps)}")
-        tensors: dict = {}
-        types: dict = {}
-        starved: list = []
-        quantized: list[str] = []
-        for comp in C.PIPELINE:
-            if comp not in comps or comp not in stacks:
-                continue
-            stack_data = data.get(comp)
+        self.log.log(f"segment {name}: {' + '.join(comps)}")
+        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, next(self.model.parameters()).device)
+        opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts)
+        tensors, types, starved, quantized = {}, {}, [], []
+        for comp in (c for c in C.PIPELINE if c in comps and c in self.stacks):
+            stack_data = self.data.get(comp)
             if stack_data is None or not stack_data.calib:
-                raise InputError(f"no calibration input reached the {C.BY_NAME[comp].title}; add conversations "
-                                 "that use it")
-            quantizer = StackQuantizer(model, A.STACK_OF[comp], solver, opts, log)
-            result = quantizer.run(by_stack.get(comp, {}), tail if comp == "thinker_text" else [], stack_data,
-                                   f"{name}/{comp}")
+                raise InputError(f"{cfg.calib or 'the built-in calibration set'}: no calibration input reached the "
+                                 f"{C.BY_NAME[comp].title}; add conversations that use it")
+            result = StackQuantizer(self.model, A.STACK_OF[comp], solver, opts, self.log).run(
+                self.by_stack.get(comp, {}), self.tail if comp == "thinker_text" else [], stack_data,
+                f"{name}/{comp}")
             tensors.update(result.tensors)
             types.update(result.types)
             starved += result.starved
             quantized += result.quantized
-        metrics = _metrics(model, samples, comps, thinker_refs, talker_refs)
-        seg_targets = [t for t in targets if t.component in comps]
-        entry = _write(out, name, comps, model, seg_targets, tensors, quantized, cfg, started,
-                       {"calibration": _calib_info(cfg, convs, heldout)})
-        manifest = write_segment_entry(out, entry)
-        from .report import segment_report, update_report
-
-        update_report(out, name, segment_report(types, starved, metrics, _calib_info(cfg, convs, heldout)),
-                      {"model": str(model_dir), "quantization": spec.describe(), "tool_version": __version__})
-        log.log(f"segment {name} written: {entry.total_bytes / 2**20:.1f} MiB "
-                f"({len(quantized)} INT4 modules, {len(starved)} starved experts)")
-    return manifest
+        metrics = _metrics(self.model, self.samples, tuple(c for c in comps if c in self.stacks), self.thinker_refs,
+                           self.talker_refs)
+        calibration = _calib_info(cfg, self.convs, self.heldout)
+        done = set(quantized)
+        entry = _write(Path(cfg.out), name, comps, self.model, [t for t in self.targets if t.path in done], tensors,
+                       cfg, started, {"calibration": calibration})
+        manifest = write_segment_entry(cfg.out, entry)
+        update_report(cfg.out, name, segment_report(types, starved, metrics, calibration),
+                      {"model": str(self.plan["model_dir"]), "quantization": cfg.spec.describe(),
+                       "tool_version": __version__})
+        self.log.log(f"segment {name} written: {entry.total_bytes / 2**20:.1f} MiB ({len(quantized)} INT4 modules, "
+                     f"{len(starved)} starved experts)")
+        return manifest
 
 
 # ---------------------------------------------------------------------- validation and OUT
@@ -193,6 +249,9 @@ def _validate(cfg: QuantConfig) -> dict:
     config = load_config(model_dir)
     if not any(model_dir.glob("*.safetensors")):
         raise ModelError(f"{model_dir}: no *.safetensors weights; download the full checkpoint")
+    from .writer import shared_file_names
+
+    shared_file_names(model_dir)
     from orin.layout import find_targets
     from orin.plan import meta_model
 
@@ -220,25 +279,37 @@ def _same_settings(manifest: Manifest, cfg: QuantConfig, config_sha: str, split:
     return None
 
 
-def _prepare_out(cfg: QuantConfig, out: Path, model_dir: Path, config_sha: str, split: dict) -> Manifest:
-    from .report import drop_segments
-    from .writer import copy_shared_files
-
+def _resume_state(cfg: QuantConfig, out: Path, config_sha: str, split: dict) -> tuple[Manifest | None, bool]:
+    """The manifest to resume from (None for a fresh start) and whether OUT's old segments must be wiped first
+    (--force with other settings). Writes nothing."""
     if (out / "manifest.json").is_file():
         manifest = read_manifest(out)
         differs = _same_settings(manifest, cfg, config_sha, split)
         if differs is None:
-            return manifest
+            return manifest, False
         if not cfg.force:
             raise UsageError(f"{out} holds a checkpoint that cannot be resumed with these options: {differs}; "
                              "pass --force to start it over, or choose another --out")
-        for name in manifest.split:
+        return None, True
+    if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
+        raise UsageError(f"{out} exists and is not an orin-omni checkpoint; choose an empty or new --out directory")
+    return None, False
+
+
+def _create_out(cfg: QuantConfig, out: Path, model_dir: Path, config_sha: str, split: dict, wipe: bool) -> Manifest:
+    """A fresh manifest with no finished segment, the shared files copied beside it."""
+    from .report import drop_segments
+    from .writer import copy_shared_files
+
+    if wipe:
+        old = read_manifest(out)
+        remove = Manifest(**{**{f: getattr(old, f) for f in ("tool_version", "created_at", "source", "quantization",
+                                                               "split", "shared_files")}, "segments": {}})
+        write_manifest(out, remove)  # first unmark every segment, then delete their directories
+        for name in old.split:
             if (out / name).is_dir():
                 shutil.rmtree(out / name)
         drop_segments(out, set())
-    elif out.exists() and any(p for p in out.iterdir() if not p.name.startswith(".")):
-        raise UsageError(f"{out} exists and is not an orin-omni checkpoint; choose an empty or new --out directory")
-    out.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(
         tool_version=__version__, created_at=utc_now(),
         source={"model_dir": str(model_dir.resolve()), "config_sha256": config_sha},
@@ -305,9 +376,10 @@ def _load_model(model_dir: Path, config, device):
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
+    placement = {"device_map": {"": str(device)}} if device.type == "cuda" else {}
     try:
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(model_dir), config=config,
-                                                                      dtype=torch.bfloat16)
+                                                                      dtype=torch.bfloat16, **placement)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ModelError(f"{model_dir}: cannot load the weights ({exc})") from exc
     return model.eval().to(device)
@@ -333,14 +405,31 @@ def _metrics(model, samples, comps: tuple[str, ...], thinker_refs: dict, talker_
     return metrics
 
 
-def _write(out: Path, name: str, comps: tuple[str, ...], model, targets, tensors: dict, quantized: list[str],
-           cfg: QuantConfig, started: str, extra: dict) -> SegmentEntry:
+def _write(out: Path, name: str, comps: tuple[str, ...], model, targets: list, tensors: dict, cfg: QuantConfig,
+           started: str, extra: dict) -> SegmentEntry:
+    """Write the segment's directory; `targets` are the INT4 modules quantized in it (model order)."""
     from .writer import quantize_config, segment_state, write_segment
 
-    state = segment_state(model, comps, [t for t in targets if t.path in set(quantized)], tensors)
-    qconfig = quantize_config(name, comps, [t for t in targets if t.path in set(quantized)], cfg.group_size,
-                              cfg.bits, cfg.damp, quantizer_name())
+    state = segment_state(model, comps, targets, tensors)
+    qconfig = quantize_config(name, comps, targets, cfg.group_size, cfg.bits, cfg.damp, quantizer_name())
     files, payload = write_segment(out, name, state, Path(cfg.model) / "config.json", qconfig)
     return SegmentEntry(name=name, components=tuple(comps), files=tuple(files),
                         total_bytes=sum(f.bytes for f in files), int4_bytes=payload,
-                        quantized_modules=tuple(quantized), started_at=started, finished_at=utc_now(), extra=extra)
+                        quantized_modules=tuple(t.path for t in targets), started_at=started, finished_at=utc_now(),
+                        extra=extra)
+
+
+def render_result(out: str, manifest: Manifest) -> str:
+    """The quality table and where things are, for the terminal."""
+    from .report import REPORT_NAME, load_report, render_report
+
+    report = load_report(out)
+    lines = [render_report(report), ""] if report else []
+    sizes = ", ".join(f"{n} {manifest.segments[n].total_bytes / 2**20:.1f} MiB" for n in manifest.finished)
+    lines.append(f"checkpoint {out}: {sizes}")
+    pending = [n for n in manifest.split if n not in manifest.segments]
+    if pending:
+        lines.append(f"not yet quantized: {', '.join(pending)} (run again with --segments {','.join(pending)})")
+    if report:
+        lines.append(f"report: {Path(out) / REPORT_NAME}")
+    return "\n".join(lines)

@@ -47,16 +47,21 @@ def logits_metrics(reference: dict, current: dict) -> dict:
 
 
 def encoder_metric(reference: dict, current: dict, attr: str) -> dict:
-    """Mean per-token cosine of an encoder's output (vision or audio) over held-out conversations that have it."""
-    cos, tokens, convs = 0.0, 0, 0
+    """Mean per-token cosine and relative error ||out - ref|| / ||ref|| of an encoder's output (vision or audio)
+    over the held-out conversations that use it."""
+    cos, tokens, err_sq, ref_sq = 0.0, 0, 0.0, 0.0
     for name, ref in reference.items():
         a, b = getattr(ref, attr), getattr(current[name], attr)
         if a is None or b is None:
             continue
         cos += float(_cosine_rows(a, b).sum())
+        err_sq += float((b.float() - a.float()).pow(2).sum())
+        ref_sq += float(a.float().pow(2).sum())
         tokens += a.shape[0]
-        convs += 1
-    return {f"{attr}_cosine": cos / tokens, f"{attr}_tokens": tokens} if tokens else {}
+    if not tokens:
+        return {}
+    return {f"{attr}_cosine": cos / tokens, f"{attr}_relative_error": (err_sq / ref_sq) ** 0.5 if ref_sq else None,
+            f"{attr}_tokens": tokens}
 
 
 def codec_metrics(reference: dict, current: dict) -> dict:
@@ -133,7 +138,8 @@ def render_report(report: dict) -> str:
                          f"({m['codec_positions']} positions)")
         for enc in ("vision", "audio"):
             if f"{enc}_cosine" in m:
-                parts.append(f"{enc} encoder output cosine {m[f'{enc}_cosine']:.4f}")
+                parts.append(f"{enc} encoder output cosine {m[f'{enc}_cosine']:.5f} (relative error "
+                             f"{_fmt(m.get(f'{enc}_relative_error'))})")
         lines.append(f"segment {seg}: " + ("; ".join(parts) if parts else "no end-to-end metric"))
     if starved_all:
         lines.append("")

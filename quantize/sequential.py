@@ -22,7 +22,7 @@ import torch
 from orin.layout import Target
 
 from . import adapters as A
-from .capture import Call, StackData, capture_stage, forward_layer
+from .capture import Call, StackData, StageInputs, capture_stage, forward_layer
 from .gptq import ErrorSums, GPTQSolver, QuantResult, output_error, rtn
 
 STARVED_POLICIES = ("all-tokens", "rtn")
@@ -110,35 +110,31 @@ class StackQuantizer:
 
     # ------------------------------------------------------------------ one stage
 
-    def _stage(self, layer, stage: list[A.Member], seen: dict, seen_heldout: dict, bar) -> None:
+    def _stage(self, layer, stage: list[A.Member], seen: StageInputs, seen_heldout: StageInputs, bar) -> None:
         # Members fed the very same tensor (q/k/v, gate/up) share one Hessian: the first adds the batches, the
         # others copy it before anything is solved.
         tasks: dict[str, object] = {}
-        leaders: dict[int, str] = {}
+        leaders: dict[tuple, str] = {}
         for m in stage:
             if m.kind != "linear":
                 continue
-            first = seen[m.name][0] if seen[m.name] else None
-            leader = leaders.get(id(first)) if first is not None else None
-            if leader is None and first is not None:
-                leaders[id(first)] = m.name
-            module = layer.get_submodule(m.name)
-            task = self.solver.task(module.weight)
-            if leader is not None:
+            task = self.solver.task(layer.get_submodule(m.name).weight)
+            leader = leaders.setdefault(seen.source[m.name], m.name) if m.name in seen.source else m.name
+            if leader != m.name:
                 task.adopt(tasks[leader])
             else:
-                for x in seen[m.name]:
+                for x in seen.inputs[m.name]:
                     task.add(x)
             tasks[m.name] = task
         for m in stage:
             module = layer.get_submodule(m.name)
             if m.kind == "linear":
-                self._linear(module, m.target, A.layer_type(self.stack.label, m.name), seen[m.name],
-                             seen_heldout[m.name], task=tasks[m.name])
+                self._linear(module, m.target, A.layer_type(self.stack.label, m.name), seen.inputs[m.name],
+                             seen_heldout.inputs[m.name], task=tasks[m.name])
                 bar.update(1)
             else:
                 A.check_experts(module, m.path)
-                self._experts(module, m, seen[m.name], seen_heldout[m.name], bar)
+                self._experts(module, m, seen.inputs[m.name], seen_heldout.inputs[m.name], bar)
 
     def _linear(self, module, target: Target, layer_type: str, x: list, xh: list, task) -> None:
         """Solve a Linear whose Hessian `task` holds (or accumulate one from x), record, write back, store."""
@@ -157,7 +153,9 @@ class StackQuantizer:
 
     # ------------------------------------------------------------------ fused experts
 
-    def _routed(self, calls: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    @staticmethod
+    def _routed(calls: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """All tokens an experts module saw over the calls, with the experts each was routed to."""
         if not calls:
             return None, None
         return torch.cat([h for h, _ in calls]), torch.cat([i for _, i in calls])
@@ -165,71 +163,72 @@ class StackQuantizer:
     def _experts(self, module, m: A.Member, calls: list, calls_heldout: list, bar) -> None:
         x_all, index = self._routed(calls)
         xh_all, index_h = self._routed(calls_heldout)
-        num = module.gate_up_proj.shape[0]
         holder = None  # the all-tokens Hessian of this layer, shared by its starved experts
         if m.kind == "experts_gate_up":
-            stats = self.result.stats(A.layer_type(self.stack.label, m.name, "gate_proj")), \
-                self.result.stats(A.layer_type(self.stack.label, m.name, "up_proj"))
-        for e in range(num):
-            rows = (index == e).any(-1) if index is not None else None
-            count = int(rows.sum()) if rows is not None else 0
+            self.result.quantized.append(m.path)
+        for e in range(module.gate_up_proj.shape[0]):
+            count = int((index == e).any(-1).sum()) if index is not None else 0
             starved = count < self.opts.min_expert_tokens
-            use_gptq = not starved or self.opts.starved == "all-tokens"
-            x = None if x_all is None else x_all if starved else x_all[rows]
+            use_gptq = x_all is not None and (not starved or self.opts.starved == "all-tokens")
+            # Tokens routed to the expert, or every token of the layer for a starved expert calibrated on all.
+            x = (x_all if starved else x_all[(index == e).any(-1)]) if use_gptq else None
             xh = xh_all[(index_h == e).any(-1)] if xh_all is not None else None
             if m.kind == "experts_gate_up":
-                if e == 0:
-                    self.result.quantized.append(m.path)
                 if starved:
                     self.result.starved.append({
                         "module": m.path, "expert": e, "tokens": count,
                         "handled": "GPTQ on all calibration tokens of the layer" if use_gptq else "RTN"})
-                gate_w = A.expert_weight(module, e, "gate_proj").float()
-                up_w = A.expert_weight(module, e, "up_proj").float()
-                if use_gptq and x is not None and x.shape[0]:
-                    if starved:
-                        if holder is None:
-                            holder = self.solver.task(gate_w)
-                            holder.add(x_all)
-                        gate_task = self.solver.task(gate_w)
-                        gate_task.adopt(holder)
-                    else:
-                        gate_task = self.solver.task(gate_w)
-                        gate_task.add(x)
-                    up_task = self.solver.task(up_w)
-                    up_task.adopt(gate_task)
-                    gate_r, up_r = gate_task.solve(), up_task.solve()
-                else:
-                    gate_r = rtn(gate_w, self.opts.bits, self.opts.group_size)
-                    up_r = rtn(up_w, self.opts.bits, self.opts.group_size)
-                used = x.shape[0] if use_gptq and x is not None else 0
-                for proj, w, r, st in (("gate_proj", gate_w, gate_r, stats[0]), ("up_proj", up_w, up_r, stats[1])):
-                    self._record_stats(st, w, r, xh, used)
-                    A.set_expert_weight(module, e, proj, r.dequantize())
-                    self._store(f"{m.path}.{e}.{proj}", r, None)
+                if use_gptq and starved and holder is None:
+                    holder = self.solver.task(A.expert_weight(module, e, "gate_proj"))
+                    holder.add(x_all)
+                self._expert_gate_up(module, m, e, x, xh, holder if starved else None)
             else:
-                gate_q = A.expert_weight(module, e, "gate_proj")
-                up_q = A.expert_weight(module, e, "up_proj")
-                down_w = A.expert_weight(module, e, "down_proj").float()
-                if use_gptq and x is not None and x.shape[0]:
-                    task = self.solver.task(down_w)
-                    task.add(A.expert_intermediate(module, x, gate_q, up_q))
-                    down_r = task.solve()
-                else:
-                    down_r = rtn(down_w, self.opts.bits, self.opts.group_size)
-                hh = A.expert_intermediate(module, xh, gate_q, up_q) if xh is not None and xh.shape[0] else None
-                used = x.shape[0] if use_gptq and x is not None else 0
-                self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, down_r, hh, used)
-                A.set_expert_weight(module, e, "down_proj", down_r.dequantize())
-                self._store(f"{m.path}.{e}.down_proj", down_r, None)
+                self._expert_down(module, m, e, x, xh)
             bar.update(1)
+
+    def _expert_gate_up(self, module, m: A.Member, e: int, x, xh, shared) -> None:
+        """gate_proj and up_proj of expert e: one Hessian (they read the same tokens), from x or from `shared`."""
+        gate_w = A.expert_weight(module, e, "gate_proj").float()
+        up_w = A.expert_weight(module, e, "up_proj").float()
+        if x is not None and x.shape[0]:
+            gate_task = self.solver.task(gate_w)
+            if shared is not None:
+                gate_task.adopt(shared)
+            else:
+                gate_task.add(x)
+            up_task = self.solver.task(up_w)
+            up_task.adopt(gate_task)
+            results = gate_task.solve(), up_task.solve()
+        else:
+            results = rtn(gate_w, self.opts.bits, self.opts.group_size), rtn(up_w, self.opts.bits, self.opts.group_size)
+        rows = x.shape[0] if x is not None else 0
+        for proj, w, r in (("gate_proj", gate_w, results[0]), ("up_proj", up_w, results[1])):
+            self._record(A.layer_type(self.stack.label, m.name, proj), w, r, xh, rows)
+            A.set_expert_weight(module, e, proj, r.dequantize())
+            self._store(f"{m.path}.{e}.{proj}", r, None)
+
+    def _expert_down(self, module, m: A.Member, e: int, x, xh) -> None:
+        """down_proj of expert e, calibrated on what its (already quantized) gate and up produce for x."""
+        gate_q = A.expert_weight(module, e, "gate_proj")
+        up_q = A.expert_weight(module, e, "up_proj")
+        down_w = A.expert_weight(module, e, "down_proj").float()
+        if x is not None and x.shape[0]:
+            task = self.solver.task(down_w)
+            task.add(A.expert_intermediate(module, x, gate_q, up_q))
+            result = task.solve()
+        else:
+            result = rtn(down_w, self.opts.bits, self.opts.group_size)
+        hh = A.expert_intermediate(module, xh, gate_q, up_q) if xh is not None and xh.shape[0] else None
+        self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, result, hh,
+                     x.shape[0] if x is not None else 0)
+        A.set_expert_weight(module, e, "down_proj", result.dequantize())
+        self._store(f"{m.path}.{e}.down_proj", result, None)
 
     # ------------------------------------------------------------------ bookkeeping
 
     def _record(self, layer_type: str, weight, result: QuantResult, x_heldout, rows: int) -> None:
-        self._record_stats(self.result.stats(layer_type), weight, result, x_heldout, rows)
-
-    def _record_stats(self, stats: TypeStats, weight, result: QuantResult, x_heldout, rows: int) -> None:
+        """Count the module under its layer type and add its held-out output errors, GPTQ's and RTN's."""
+        stats = self.result.stats(layer_type)
         stats.modules += 1
         stats.calib_rows += rows
         if result.method == "rtn":

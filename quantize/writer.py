@@ -26,11 +26,17 @@ SHARED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 SEGMENT_FILES = ("model.safetensors", "config.json", "quantize_config.json")
 
 
-def copy_shared_files(model_dir: Path, out: Path) -> list[FileEntry]:
+def shared_file_names(model_dir: Path) -> list[str]:
+    """The SHARED_FILES present in model_dir; a checkpoint without its tokenizer is refused."""
     names = [n for n in SHARED_FILES if (model_dir / n).is_file()]
     if not any(n in names for n in ("tokenizer.json", "vocab.json")):
         raise ModelError(f"{model_dir}: no tokenizer (tokenizer.json or vocab.json); copy the checkpoint's "
                          "tokenizer files next to its config.json")
+    return names
+
+
+def copy_shared_files(model_dir: Path, out: Path) -> list[FileEntry]:
+    names = shared_file_names(model_dir)
     for name in names:
         with atomic_path(out / name) as tmp:
             shutil.copyfile(model_dir / name, tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -32,6 +33,44 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
     out = tmp_path_factory.mktemp("tiny") / "model"
     write_tiny_model(TinyModelConfig(out=str(out), seed=0))
+    return str(out)
+
+
+# Few conversations and short speech keep the tiny model's GPTQ run at seconds; 24 conversations is what GPTQ
+# needs on the tiny model to beat round-to-nearest on held-out inputs for every layer type.
+TINY_QUANTIZE = {"samples": 24, "thinker_new_tokens": 6, "talker_new_tokens": 8, "talker_min_new_tokens": 8,
+                 "device": "cpu", "progress": False}
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """The tiny model's ops are microseconds long: on the 2-core machine, with other processes busy, two OpenMP
+    threads spin-wait on each other and a quantize run gets ~10x slower. One thread is faster there."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def single_torch_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def quantized_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model quantized (both segments, default settings, built-in calibration). Read-only: copy it
+    before changing anything."""
+    from quantize.pipeline import QuantConfig, run_quantize
+
+    out = tmp_path_factory.mktemp("quantized") / "int4"
+    with one_torch_thread():
+        run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), **TINY_QUANTIZE))
     return str(out)
 
 

@@ -118,6 +118,56 @@ def test_static_decoder_matches_the_hf_step(synthetic_dir):
     loader.close()
 
 
+def _speech_request(tokens=10, frames=5):
+    from orin.engine import GenerationRequest
+    from orin.media import synth_image, synth_speechlike
+
+    parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(1.0)},
+             {"type": "text", "text": "Describe it all."}]
+    return GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=tokens,
+                             max_audio_frames=frames, ignore_eos=True)
+
+
+def test_fast_talker_and_code_predictor_give_the_eager_frames(synthetic_dir):
+    """decode="static" (orin.fastdecode for thinker, talker and code predictor) against the HF modules and
+    generate(): same text tokens, same codec frames, same audio."""
+    from orin.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model_dir=synthetic_dir, device="cpu", power_backend="none", verify_checksums=False))
+    try:
+        results = {}
+        for mode in ("eager", "static"):
+            engine.decode = mode
+            _, audio, report = engine.generate(_speech_request())
+            results[mode] = (report["token_ids"], [f.tolist() for f in engine.last_frames], audio)
+        assert engine._fast("talker").length > 0  # the static talker really ran
+        assert results["eager"][0] == results["static"][0]
+        assert results["eager"][1] == results["static"][1] and len(results["static"][1]) == 5
+        assert float(abs(results["eager"][2] - results["static"][2]).max()) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_dir):
+    from orin.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model_dir=synthetic_dir, device="cpu", power_backend="none", verify_checksums=False))
+    try:
+        engine.loader.ensure("thinker_text")
+        ids = torch.tensor([[7, 42, engine.config.tts_pad_token_id]])
+        with torch.inference_mode():
+            want = engine._text_embeddings(ids).clone()
+            engine._remember_embeddings([7, 42])
+            engine.loader.evict("thinker_text")
+            assert torch.equal(engine._text_embeddings(ids), want)
+            from orin.errors import ModelError
+
+            with pytest.raises(ModelError, match="no remembered embedding"):
+                engine._text_embeddings(torch.tensor([[99]]))
+    finally:
+        engine.close()
+
+
 def test_bench_cli_runs_every_side_and_writes_json(tmp_path):
     from click.testing import CliRunner
 

@@ -35,6 +35,10 @@ from orin.smoke import expected_samples
 
 # --------------------------------------------------------------------------- fixtures and helpers
 
+# The tiny model's random talker never says "end of speech", and a CPU codec frame costs ~80 ms: cap speech
+# at 10 frames with the server's own --max-speech-seconds.
+SPEECH_S = 0.8
+
 
 @pytest.fixture(scope="module")
 def engine(quantized_dir):
@@ -46,15 +50,15 @@ def engine(quantized_dir):
 @pytest.fixture(scope="module")
 def server(engine, quantized_dir):
     # The shared server runs the real warm-up, as under systemd.
-    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=True),
-                 engine=engine).start()
+    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=True,
+                             max_speech_seconds=SPEECH_S), engine=engine).start()
     yield srv
     srv.stop()
 
 
 def _server(engine, quantized_dir, hook=None, **overrides) -> Server:
     cfg = ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
-                      **overrides)
+                      max_speech_seconds=SPEECH_S, **overrides)
     return Server(cfg, engine=engine, hook=hook).start()
 
 
@@ -349,17 +353,17 @@ def test_fifty_sequential_requests_do_not_grow_memory(server, engine):
     from orin.metrics import process_rss_bytes
 
     client = _client(server)
-    requests = [
-        dict(messages=[{"role": "user", "content": "Hello!"}], max_tokens=3),
-        dict(messages=[{"role": "user", "content": _mm_content(1.0)}], max_tokens=3,
-             modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}),
-    ]
+    text = dict(messages=[{"role": "user", "content": "Hello!"}], max_tokens=3)
+    media_in = dict(messages=[{"role": "user", "content": _mm_content(1.0)}], max_tokens=3)
+    speech_out = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, modalities=["text", "audio"],
+                      audio={"voice": "ethan", "format": "wav"})
+    requests = [text, media_in, text, speech_out, text]  # every path, in proportions that keep it quick on CPU
 
     def run(i: int):
-        resp = client.chat.completions.create(model=engine.model_name, **requests[i % 2])
+        resp = client.chat.completions.create(model=engine.model_name, **requests[i % len(requests)])
         assert resp.usage.completion_tokens >= 1
 
-    for i in range(6):  # warm-up: allocator pools, first-call caches
+    for i in range(len(requests)):  # warm-up: allocator pools, first-call caches
         run(i)
     rss0, alloc0 = process_rss_bytes(), engine.memory()["allocated_bytes"]
     for i in range(50):
@@ -367,7 +371,7 @@ def test_fifty_sequential_requests_do_not_grow_memory(server, engine):
     rss1, alloc1 = process_rss_bytes(), engine.memory()["allocated_bytes"]
     assert rss1 <= rss0 * 1.02, f"RSS grew from {rss0} to {rss1} bytes ({(rss1 / rss0 - 1) * 100:.2f} %)"
     assert alloc1 <= alloc0 * 1.02
-    assert _metrics(server)['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 56
+    assert _metrics(server)['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 55
 
 
 # --------------------------------------------------------------------------- auth
@@ -574,6 +578,51 @@ def test_stop_cancels_a_request_that_outlives_the_drain_time(engine, quantized_d
 
 
 # --------------------------------------------------------------------------- systemd: notify, watchdog, SIGTERM
+
+
+def test_watchdog_pings_stop_while_a_request_is_stuck(engine, quantized_dir, tmp_path):
+    from orin.sdnotify import Notifier
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify.sock")
+    notify.bind(path)
+    notify.settimeout(10)
+
+    def drain() -> list[bytes]:
+        notify.setblocking(False)
+        out = []
+        try:
+            while True:
+                out.append(notify.recv(4096))
+        except BlockingIOError:
+            pass
+        notify.settimeout(10)
+        return out
+
+    hook = _Holder()
+    cfg = ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False, stall_s=0.3)
+    srv = Server(cfg, engine=engine, hook=hook, notifier=Notifier(socket_path=path, watchdog_s=0.05)).start()
+    results: list = []
+    try:
+        assert notify.recv(4096).startswith(b"READY=1")
+        assert notify.recv(4096) == b"WATCHDOG=1"
+        t = _post_in_thread(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, results, "r")
+        assert hook.admitted.wait(30)
+        time.sleep(0.6)  # no progress for longer than stall_s
+        assert not srv.healthy()
+        status, _, body = _http(srv, "GET", "/health")
+        assert status == 503 and body["status"] == "unhealthy"
+        drain()
+        time.sleep(0.3)
+        assert b"WATCHDOG=1" not in drain()  # systemd will restart a stuck server
+        hook.release.set()
+        t.join(60)
+        assert results[0][1] == 200
+        assert notify.recv(4096) == b"WATCHDOG=1"  # healthy again
+    finally:
+        hook.release.set()
+        srv.stop()
+        notify.close()
 
 
 def test_systemd_notify_ready_watchdog_and_sigterm(quantized_dir, tmp_path):

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The exact script run on the lent GPU for BENCHMARKS.md: `orin-omni bench` at the real model's dimensions
+# (synthetic random INT4 checkpoint written to local disk, then orin-omni all-resident and time-sliced, then HF
+# transformers BF16), in one command that ends inside the 10-minute window.
+#
+# The GPU image has torch 2.11 and transformers 5.17; orin-omni pins transformers 5.23 (module names differ), so
+# its wheel travels in .whl/ (with regex, which 5.23 needs newer than the image may have):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl transformers==5.23.0 regex==2026.11.15
+# and the device call carries `.whl`. Results go to $OUT (bench.json, bench.log, gpu.txt).
+set -uo pipefail
+OUT=${OUT:-build/bench-out}
+WORK=${BENCH_WORKDIR:-/tmp/orin-bench}
+LIMIT=${BENCH_LIMIT_S:-540}
+mkdir -p "$OUT" "$WORK"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
+  df -h "$WORK" | tail -1
+  nproc; free -g | head -2
+} 2>&1 | tee "$OUT/gpu.txt"
+timeout -s INT "$LIMIT" python3 -m orin.cli bench \
+  --config tests/data/qwen3-omni-30b-a3b-instruct.config.json --synthetic --workdir "$WORK" \
+  --audio-seconds 30 --images 1 --text-tokens 256 --audio-frames 100 --budget-sliced 18GiB \
+  --decode "${BENCH_DECODE:-eager,graph,compiled}" --power-backend nvml --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+rc=${PIPESTATUS[0]}
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
+rm -rf "$WORK"
+exit "$rc"
