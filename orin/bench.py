@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import platform
 import threading
 import time
@@ -67,6 +68,7 @@ class BenchConfig:
     power_backend: str = "auto"
     json_out: str | None = None
     seed: int = 0
+    hf_repeats: int = 2
 
 
 # ---------------------------------------------------------------------- inputs
@@ -163,13 +165,13 @@ def summarize_engine(report: dict, label: str) -> dict:
     }
 
 
-def _engine(cfg: BenchConfig, model_dir: str, budget: int | None, decode: str):
+def _engine(cfg: BenchConfig, model_dir: str, budget: int | None, decode: str, prefetch: bool = True):
     from .engine import Engine, EngineConfig
 
     # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
     return Engine(EngineConfig(model_dir=model_dir, device=cfg.device, budget=budget,
                                power_backend=cfg.power_backend, verify_checksums=not cfg.synthetic,
-                               decode=decode))
+                               decode=decode, prefetch=prefetch))
 
 
 def _free(device) -> None:
@@ -236,16 +238,17 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, 
     return out
 
 
-def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
+def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, prefetch: bool = True) -> dict:
     mode = cfg.decode_modes[-1]
-    engine = _engine(cfg, model_dir, cfg.budget_sliced, mode)
+    engine = _engine(cfg, model_dir, cfg.budget_sliced, mode, prefetch=prefetch)
     try:
         report = _stream(engine, _request(cfg, inputs))
-        summary = summarize_engine(report, f"orin-omni INT4 time-sliced {format_bytes(cfg.budget_sliced)} ({mode})")
+        label = f"orin-omni INT4 time-sliced {format_bytes(cfg.budget_sliced)} ({mode}{'' if prefetch else ', no prefetch'})"
+        summary = summarize_engine(report, label)
         summary["weight_bytes"] = sum(engine.sizes.components[c].runtime_int4_bytes for c in engine.sizes.components)
         summary["budget_bytes"] = cfg.budget_sliced
         summary["swap_detail"] = report.get("swaps")
-        log_fn(f"[time-sliced] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
+        log_fn(f"[time-sliced{'' if prefetch else ', no prefetch'}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
                f"peak {format_bytes(summary['peak_bytes'] or 0)}, swaps {summary['swap_s']:.2f} s")
         return summary
     finally:
@@ -486,23 +489,20 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
         _sync(device)
         return batch, result
 
-    try:
-        with torch.inference_mode():
+    def measured() -> dict:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        thinker_clock, talker_clock = _Clock(), _Clock()
+        with meter.measure("hf") as measurement:
             t0 = time.perf_counter()
-            generate(2, 2)
-            out["warmup_s"] = time.perf_counter() - t0
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            thinker_clock, talker_clock = _Clock(), _Clock()
-            with meter.measure("hf") as measurement:
-                t0 = time.perf_counter()
-                batch, result = generate(cfg.text_tokens, cfg.audio_frames, thinker_clock, talker_clock)
-                t_end = time.perf_counter()
+            batch, result = generate(cfg.text_tokens, cfg.audio_frames, thinker_clock, talker_clock)
+            t_end = time.perf_counter()
         energy = measurement.report.to_json()
         text_times, talk_times = thinker_clock.generated(), talker_clock.generated()
         sequences = result[0] if speech else result
         audio = result[1] if speech else None
-        out.update({
+        rate = ((len(text_times) - 1) / (text_times[-1] - text_times[0])) if len(text_times) > 1 else None
+        return {
             "prompt_tokens": int(batch["input_ids"].shape[1]),
             "completion_tokens": int(sequences.shape[1] - batch["input_ids"].shape[1]),
             "talker_frames": len(talk_times),
@@ -510,8 +510,8 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
             "ttft_s": (text_times[0] - t0) if text_times else None,
             "first_audio_s": (t_end - t0) if speech else None,  # generate() returns the audio at the very end
-            "decode_tokens_per_s": ((len(text_times) - 1) / (text_times[-1] - text_times[0]))
-            if len(text_times) > 1 else None,
+            "decode_tokens_per_s": rate,
+            "decode_e2e_tokens_per_s": rate,
             "talker_frames_per_s": ((len(talk_times) - 1) / (talk_times[-1] - talk_times[0]))
             if len(talk_times) > 1 else None,
             "talker_start_s": (talk_times[0] - t0) if talk_times else None,
@@ -520,11 +520,23 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
             "energy_mean_w": energy.get("mean_w"),
             "energy_backend": energy.get("backend"),
             "swap_s": 0.0,
-        })
-        out["decode_e2e_tokens_per_s"] = out["decode_tokens_per_s"]
+        }
+
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            generate(8, 4)
+            out["warmup_s"] = time.perf_counter() - t0
+            # Best of `repeats`: the reference is launch-bound, so host noise slows it; the faster run keeps
+            # every comparison with it conservative. Each run's figures are kept.
+            attempts = [measured() for _ in range(max(1, cfg.hf_repeats))]
+        best = min(attempts, key=lambda a: a["total_s"])
+        out.update(best)
+        out["attempts"] = attempts
         log_fn(f"[hf] ttft {out['ttft_s'] or 0:.3f} s, audio at {out['first_audio_s'] or 0:.1f} s, thinker "
                f"{out['decode_tokens_per_s'] or 0:.1f} tok/s, peak {format_bytes(out['peak_bytes'] or 0)}, "
-               f"{out['energy_j'] or 0:.0f} J")
+               f"{out['energy_j'] or 0:.0f} J (best of {len(attempts)}: "
+               + ", ".join(f"{a['total_s']:.1f} s" for a in attempts) + ")")
     finally:
         meter.stop()
         model = None  # the last reference: ~66 GiB go back before anything else runs
@@ -597,7 +609,7 @@ class BenchResult:
 
 def best_run(runs: dict) -> dict:
     """The fastest all-resident orin-omni run (thinker tokens/s): the figures the targets are judged on."""
-    resident = [r for k, r in runs.items() if k.startswith("orin_") and k != "orin_time_sliced"]
+    resident = [r for k, r in runs.items() if k.startswith("orin_") and "time_sliced" not in k]
     return max(resident, key=lambda r: r.get("decode_tokens_per_s") or 0.0, default={})
 
 
@@ -670,6 +682,7 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
                                                    seed=cfg.seed, force=True), log=log_fn)
         result.extra["synthetic_write_s"] = time.perf_counter() - t0
         model_dir = str(out)
+        os.sync()  # write-back of 20 GB of dirty pages would otherwise steal CPU from the first measurements
         log_fn(f"synthetic checkpoint in {result.extra['synthetic_write_s']:.1f} s: {out}")
     from .manifest import read_manifest
 
@@ -708,9 +721,12 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
 
     part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, record))
     if not cfg.skip_sliced and cfg.budget_sliced:
-        sliced = part("time_sliced", lambda: run_time_sliced(cfg, model_dir, inputs, log_fn))
-        if sliced:
-            result.runs["orin_time_sliced"] = sliced
+        # The product's default (the next stage prefetched when the planner says it fits), then without
+        # prefetching: what overlapping a swap-in with the previous stage costs in peak memory.
+        for key, prefetch in (("orin_time_sliced", True), ("orin_time_sliced_noprefetch", False)):
+            sliced = part(key, lambda p=prefetch: run_time_sliced(cfg, model_dir, inputs, log_fn, prefetch=p))
+            if sliced:
+                result.runs[key] = sliced
     any_run = next(iter(result.runs.values()), {})
     best = best_run(result.runs)
     proj = part("orin_projection", lambda: orin_projection(
@@ -757,8 +773,8 @@ def _cell(run: dict, key: str | None, kind: str) -> str:
 def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
     data = result.to_json() if isinstance(result, BenchResult) else result
     runs = data["runs"]
-    order = [k for k in ("orin_eager", "orin_static", "orin_graph", "orin_compiled", "orin_time_sliced", "hf_bf16")
-             if k in runs]
+    order = [k for k in ("orin_eager", "orin_static", "orin_graph", "orin_compiled", "orin_time_sliced",
+                         "orin_time_sliced_noprefetch", "hf_bf16") if k in runs]
     heads = ["metric"] + [runs[k].get("label", k) for k in order]
     rows = [[name] + [_cell(runs[k], key, kind) for k in order] for name, key, kind in _ROWS]
     lines = []

@@ -299,9 +299,11 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Write the full results here (rewritten after each part).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--hf-repeats", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Measured HF generate() runs; the fastest is reported.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
               audio_frames, budget_sliced, skip_hf, skip_sliced, decode_modes, profile, power_backend, json_out,
-              seed):
+              seed, hf_repeats):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
     and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps."""
     from .bench import BenchConfig, render_table, run_bench
@@ -311,7 +313,7 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
         audio_frames=audio_frames, budget_sliced=budget_sliced, skip_hf=skip_hf, skip_sliced=skip_sliced,
         decode_modes=_csv(decode_modes) or ("eager",), profile=profile, power_backend=power_backend,
-        json_out=json_out, seed=seed,
+        json_out=json_out, seed=seed, hf_repeats=hf_repeats,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
 
@@ -337,12 +339,18 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
               help="Experts routed fewer calibration tokens than this are 'starved' (see --starved-experts).")
 @click.option("--starved-experts", type=click.Choice(["all-tokens", "rtn"]), default="all-tokens", show_default=True,
               help="Calibrate a starved expert on every token of its layer, or round it to nearest.")
+@click.option("--speech-samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Conversations replied to with speech (generate) to calibrate the talker side; held-out ones add.")
+@click.option("--reply-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Text tokens the thinker generates per speech-pass reply.")
+@click.option("--speech-frames", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Codec frames the talker generates at most per reply (12.5 per second of speech).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the built-in calibration set.")
 @click.option("--force", is_flag=True, help="Redo finished segments (and start over if the settings changed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
-                 quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts, seed,
-                 force, as_json):
+                 quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts,
+                 speech_samples, reply_tokens, speech_frames, seed, force, as_json):
     """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4, one resumable segment directory at a time."""
     from quantize.pipeline import QuantConfig, render_result, run_quantize
 
@@ -351,7 +359,8 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         samples=samples, device=device, quantize_audio_encoder=quantize_audio_encoder,
         quantize_code_predictor=quantize_code_predictor, quantize_code2wav=quantize_code2wav,
         quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
-        seed=seed, force=force,
+        speech_samples=speech_samples, thinker_new_tokens=reply_tokens, talker_new_tokens=speech_frames, seed=seed,
+        force=force,
     )
     manifest = run_quantize(cfg)
     click.echo(json.dumps(manifest.summary(), indent=2) if as_json else render_result(out, manifest))

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _run(["tiny-model", str(tiny), "--seed", "0", "--force"])
     _run(["plan", str(tiny), "--budget", "64MiB", "--audio-seconds", "30"])
-    _run(["quantize", str(tiny), "--out", str(quant), "--device", "cpu", "--samples", "8"])
+    _run(["quantize", str(tiny), "--out", str(quant), "--device", "cpu", "--samples", "24",
+          "--reply-tokens", "6", "--speech-frames", "8"])
     _run(["install-service", "--model-dir", str(quant.resolve()), "--root", str(root.resolve()), "--port",
           str(args.port), "--budget", "64MiB", "--force"])
     _run(["generate", str(quant), "--text", "Describe the sound.", "--max-new-tokens", "8",

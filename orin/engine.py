@@ -354,7 +354,7 @@ class Engine:
             if done:
                 finished = True
                 break
-            with self.meter.stage("thinker_decode"):
+            with self.meter.stage("thinker_decode", edge_reads=False):  # per token: no power read
                 logits = self._thinker_step(token, cache)
             token = self._sample(logits, req.temperature, req.top_p, gen)
         run.decode_end = time.perf_counter()
@@ -503,7 +503,7 @@ class Engine:
             else:
                 return
             start = time.perf_counter()
-            with self.meter.stage("talker"):
+            with self.meter.stage("talker", edge_reads=False):  # per frame: no power read
                 frame = talker.step(text)
             run.talker_seconds += time.perf_counter() - start
             self._check(run)

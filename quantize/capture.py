@@ -94,6 +94,14 @@ def record_first_calls(modules: dict[str, torch.nn.Module], stop: bool = False) 
             h.remove()
 
 
+def _first_layer_calls(module: torch.nn.Module, run) -> list[Call]:
+    """The calls of `module` (a stack's first layer) while run() runs, ending each forward pass right there."""
+    with record_first_calls({"x": module}, stop=True) as calls:
+        with contextlib.suppress(StopForward):
+            run()
+    return calls["x"]
+
+
 @contextlib.contextmanager
 def record_kwargs(module: torch.nn.Module, keys: tuple[str, ...]) -> Iterator[list[dict]]:
     """Record the named keyword arguments of every call of `module`."""
@@ -220,10 +228,29 @@ def codec_suppressed(config) -> list[int]:
     return [i for i in range(vocab - 1024, vocab) if i != tk.codec_eos_token_id]
 
 
+@contextlib.contextmanager
+def _stop_at(module: torch.nn.Module | None) -> Iterator[None]:
+    """End the forward pass (and generate()) when `module` is about to run: what comes after is not needed."""
+    if module is None:
+        yield
+        return
+
+    def hook(_mod, _args):
+        raise StopForward
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        with contextlib.suppress(StopForward):
+            yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
-def generate_speech(model, sample, settings: SpeechSettings):
+def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool = True):
     """Greedy generate(return_audio=True) for one sample, recording the speech stacks' inputs. Returns the talker
-    sequence, the code predictor's sequences (each [1, L, H]) and code2wav pre-transformer chunks."""
+    sequence, the code predictor's sequences (each [1, L, H]) and code2wav pre-transformer chunks (none when
+    decode_audio is False: generate() then stops once the talker is done)."""
     talker_model = model.talker.model
     predictor_model = model.talker.code_predictor.model
     pre_transformer = model.code2wav.pre_transformer
@@ -231,7 +258,8 @@ def generate_speech(model, sample, settings: SpeechSettings):
     speaker = speakers[sample.index % len(speakers)] if speakers else "ethan"
     with quiet_generation(), record_kwargs(talker_model, ("inputs_embeds", "position_ids")) as talker_calls, \
             record_kwargs(predictor_model, ("inputs_embeds",)) as predictor_calls, \
-            record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls:
+            record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls, \
+            _stop_at(None if decode_audio else model.code2wav):
         model.generate(
             **sample.prompt_inputs, speaker=speaker, return_audio=True,
             thinker_max_new_tokens=settings.thinker_new_tokens, thinker_do_sample=False,
@@ -268,13 +296,6 @@ def talker_codes(model, seq: TalkerSequence, layer0: torch.nn.Module | None = No
     return logits.argmax(-1).cpu(), calls.get("talker", [])
 
 
-def _first_layer_calls(module: torch.nn.Module, run) -> list[Call]:
-    with record_first_calls({"x": module}, stop=True) as calls:
-        with contextlib.suppress(StopForward):
-            run()
-    return calls["x"]
-
-
 @torch.no_grad()
 def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettings, reference: bool
                         ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]]]:
@@ -286,7 +307,7 @@ def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettin
     heldout = [s for s in samples if s.heldout]
     calib = [s for s in samples if not s.heldout][: max(1, settings.max_conversations - len(heldout))]
     for sample in calib + heldout:
-        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings)
+        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data)
         if "talker" in data or (reference and sample.heldout):
             codes, calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
             for call in calls:

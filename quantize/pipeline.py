@@ -163,7 +163,7 @@ class _Session:
 
         heldout = split_heldout(convs, holdout_count(len(convs)))
         torch.manual_seed(cfg.seed)
-        device = _device(cfg.device)
+        device = plan["device"]
         model = _load_model(plan["model_dir"], plan["config"], device)
         samples = to_samples(build_processor(plan["model_dir"]), convs, heldout, device)
         targets = find_targets(model, cfg.spec)
@@ -256,12 +256,13 @@ def _validate(cfg: QuantConfig) -> dict:
     from orin.plan import meta_model
 
     check_group_size(find_targets(meta_model(config), cfg.spec), cfg.group_size, cfg.bits)
+    device = _device(cfg.device)
     config_sha = hashlib.sha256(config_path(model_dir).read_bytes()).hexdigest()
     out = Path(cfg.out)
     if out.resolve() == model_dir.resolve():
         raise UsageError("--out must not be the model directory")
     return {"split": split, "names": names, "model_dir": model_dir, "config": config, "config_sha": config_sha,
-            "out": out}
+            "out": out, "device": device}
 
 
 def _quantization(cfg: QuantConfig) -> dict:

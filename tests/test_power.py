@@ -660,3 +660,26 @@ def test_cli_power_errors(tmp_path):
     assert result.exit_code == 2
     result = CliRunner().invoke(cli, ["power", "--hz", "0"])
     assert result.exit_code == 2
+
+
+def test_stage_without_edge_reads_is_interpolated_from_the_sampler():
+    """Per-token stages skip the backend read at their edges; the request report still integrates them from
+    the sampler's readings (same value for a linear ramp), and no extra samples are taken."""
+    clock = FakeClock()
+    meter = PowerMeter([FakeBackend("ramp", clock, watts=lambda t: 10 + 5 * t)], clock=clock).open()
+
+    def energy(a, b):
+        return 10 * (b - a) + 2.5 * (b * b - a * a)
+
+    with meter.measure("req") as m:
+        run_until(meter, clock, 0.5)
+        before = len(meter.samples())
+        for start in (0.52, 0.56, 0.61):
+            clock.t = start
+            with meter.stage("thinker_decode", edge_reads=False):
+                clock.t = start + 0.02
+        assert len(meter.samples()) == before  # no reads at the edges
+        run_until(meter, clock, 1.0)
+    decode = m.report.by_stage["thinker_decode"]
+    assert decode.count == 3 and decode.seconds == pytest.approx(0.06)
+    assert decode.joules == pytest.approx(sum(energy(s, s + 0.02) for s in (0.52, 0.56, 0.61)))

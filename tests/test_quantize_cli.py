@@ -166,3 +166,14 @@ def test_checkpoint_without_tokenizer(tiny_model_dir, tmp_path):
     result = _run(model, "--out", tmp_path / "out")
     assert result.exit_code == 1 and "no tokenizer" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_unavailable_device_is_a_usage_error(tiny_model_dir, tmp_path):
+    import torch
+
+    result = _run(tiny_model_dir, "--out", tmp_path / "out", "--device", "tpu")
+    assert result.exit_code == 2 and "--device 'tpu'" in result.output
+    if not torch.cuda.is_available():
+        result = _run(tiny_model_dir, "--out", tmp_path / "out", "--device", "cuda")
+        assert result.exit_code == 2 and "no CUDA GPU" in result.output
+    assert not (tmp_path / "out").exists()
