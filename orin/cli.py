@@ -367,6 +367,12 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
 
 
 def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    # torchao (pulled in by GPTQModel) logs failed optional CUDA extensions at import, and registers pytree
+    # types torch warns about: noise on every command of a CPU install, not something a user can act on.
+    for noisy in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     cli.main(args=argv, prog_name="orin-omni")
 
 
