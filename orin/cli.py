@@ -287,8 +287,8 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
               help="Text tokens generated (EOS ignored).")
 @click.option("--audio-frames", type=click.IntRange(min=0), default=100, show_default=True,
               help="Codec frames generated (0: no speech).")
-@click.option("--budget-sliced", type=SIZE, default="18GiB", show_default=True,
-              help="Memory budget of the time-sliced run.")
+@click.option("--budget-sliced", type=SIZE, multiple=True, default=["18GiB"], show_default=True,
+              help="Memory budget of a time-sliced run (repeatable: one run per budget).")
 @click.option("--skip-hf", is_flag=True, help="Do not run the HF transformers BF16 reference.")
 @click.option("--skip-sliced", is_flag=True, help="Do not run the time-sliced engine.")
 @click.option("--decode", "decode_modes", default="eager,graph,compiled", show_default=True,
@@ -311,7 +311,7 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
     result = run_bench(BenchConfig(
         config=config, model_dir=model_dir, synthetic=synthetic, workdir=workdir, device=device,
         audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
-        audio_frames=audio_frames, budget_sliced=budget_sliced, skip_hf=skip_hf, skip_sliced=skip_sliced,
+        audio_frames=audio_frames, budget_sliced=tuple(budget_sliced), skip_hf=skip_hf, skip_sliced=skip_sliced,
         decode_modes=_csv(decode_modes) or ("eager",), profile=profile, power_backend=power_backend,
         json_out=json_out, seed=seed, hf_repeats=hf_repeats,
     ), log_fn=lambda m: click.echo(m, err=True))

@@ -268,6 +268,16 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def _stop_compile_workers() -> None:
+    """Inductor keeps a pool of compile worker processes; once the layer is compiled they only take host time
+    from the launch-bound eager stages (encoders, prefill)."""
+    try:
+        from torch._inductor.async_compile import shutdown_compile_workers
+    except ImportError:
+        return
+    shutdown_compile_workers()
+
+
 class _Runner:
     """Captures a zero-argument step function in a CUDA graph (re-captured when the weights move), or calls
     it eagerly off CUDA; optionally compiles the layer function first."""
@@ -289,6 +299,11 @@ class _Runner:
         if not self.compile:
             return decoder_layer
         if self._compiled is None:
+            import torch._dynamo
+
+            # One compiled variant per layer shape and cache length (thinker, talker, code predictor prefill
+            # and step, each KV length): more than dynamo's default of 8 over a server's life.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._compiled = torch.compile(decoder_layer, dynamic=False, fullgraph=False)
         return self._compiled
 
@@ -317,6 +332,8 @@ class _Runner:
             self.compile = False
             self._graph, self._out = self._capture_with(fn, decoder_layer)
         self.captures += 1
+        if layer is not decoder_layer:
+            _stop_compile_workers()
 
     def _capture_with(self, fn, layer):
         torch.cuda.synchronize(self.device)

@@ -160,7 +160,7 @@ def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dt
         q_file[t.component] += target_file_bytes(t, g)
         q_run[t.component] += target_runtime_bytes(t, g)
         n_targets[t.component] += 1
-        for _, k, n, _b in t.linears():
+        for _, k, _n, _b in t.linears():
             if k % g:
                 padded_layers[(k, padded(k, g))] = padded_layers.get((k, padded(k, g)), 0) + 1
     comps = {}

@@ -197,7 +197,7 @@ def _fix_init(model, seed: int) -> None:
 def build_processor(model_dir: str | Path | None = None):
     """The Qwen3-Omni processor, built in code. AutoProcessor cannot load it here: its video processor needs
     torchvision, which has no CPU build for this torch. Images and audio need only these three parts."""
-    from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+    from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if model_dir is None:

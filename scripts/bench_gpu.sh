@@ -25,7 +25,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 } 2>&1 | tee "$OUT/gpu.txt"
 timeout -s INT "$LIMIT" python3 -m orin.cli bench \
   --config tests/data/qwen3-omni-30b-a3b-instruct.config.json --synthetic --workdir "$WORK" \
-  --audio-seconds 30 --images 1 --text-tokens 256 --audio-frames 100 --budget-sliced 18GiB \
+  --audio-seconds 30 --images 1 --text-tokens 256 --audio-frames 100 --budget-sliced 18GiB --budget-sliced 17GiB \
   --decode "${BENCH_DECODE:-eager,graph,compiled}" --power-backend nvml --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 rc=${PIPESTATUS[0]}
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1

@@ -183,7 +183,7 @@ def test_bench_cli_runs_every_side_and_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["errors"] == {}
     runs = data["runs"]
-    assert set(runs) == {"orin_graph", "orin_time_sliced", "orin_time_sliced_noprefetch", "hf_bf16"}
+    assert set(runs) == {"orin_graph", "orin_time_sliced", "hf_bf16"}
     prompts = {r["prompt_tokens"] for r in runs.values()}
     assert len(prompts) == 1  # the same request on every side
     for run in runs.values():

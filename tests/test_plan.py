@@ -96,7 +96,6 @@ def test_tiny_model_plan(tiny_model_dir):
     # The tiny vision MLP is 200 wide, padded to 256 like the real 4304 -> 4352.
     assert result["padded_layers"] == [{"in_features": 200, "padded_in_features": 256, "layers": 3}]
     assert result["request"]["tokens"]["audio"] == audio_tokens(3, 50) == 39
-    import torch  # noqa: F401  (the tiny model itself, for the total)
     from orin.tiny import build_tiny_model
 
     model = build_tiny_model(0)
