@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -273,7 +272,3 @@ class _Relative(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-def checkpoint_dir(path: str | Path) -> Path:
-    return Path(path)

@@ -11,7 +11,6 @@ embedding the largest tensor of the model); the config, tokenizer and chat templ
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +205,7 @@ def build_processor(model_dir: str | Path | None = None):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     feature_extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
     image_processor = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2)
-    return _ImageAudioProcessor(image_processor, feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
+    return _processor_class()(image_processor, feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
 
 
 def _processor_class():
@@ -227,10 +226,6 @@ def _processor_class():
                 setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
 
     return ImageAudioProcessor
-
-
-def _ImageAudioProcessor(*args, **kwargs):
-    return _processor_class()(*args, **kwargs)
 
 
 def _build_tokenizer():
@@ -283,7 +278,3 @@ def write_tiny_model(cfg: TinyModelConfig) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
-
-
-def load_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
