@@ -258,26 +258,6 @@ def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:
     return spec, w
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _stop_compile_workers() -> None:
-    """Inductor keeps a pool of compile worker processes; once the layer is compiled they only take host time
-    from the launch-bound eager stages (encoders, prefill)."""
-    try:
-        from torch._inductor.async_compile import shutdown_compile_workers
-    except ImportError:
-        return
-    shutdown_compile_workers()
-
-
 class _Runner:
     """Captures a zero-argument step function in a CUDA graph (re-captured when the weights move), or calls
     it eagerly off CUDA; optionally compiles the layer function first."""
@@ -332,8 +312,6 @@ class _Runner:
             self.compile = False
             self._graph, self._out = self._capture_with(fn, decoder_layer)
         self.captures += 1
-        if layer is not decoder_layer:
-            _stop_compile_workers()
 
     def _capture_with(self, fn, layer):
         torch.cuda.synchronize(self.device)

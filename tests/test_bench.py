@@ -195,7 +195,8 @@ def test_bench_cli_runs_every_side_and_writes_json(tmp_path):
     assert not sliced["streaming_speech"] and runs["orin_graph"]["streaming_speech"]
     assert data["checkpoint"]["int4_payload_bytes"] > 0
     assert [t["target"] for t in data["targets"]][:2] == ["int4_weight_bytes", "peak_all_resident"]
-    assert data["orin_projection"]["thinker_decode_tokens_per_s"] > 0
+    proj = data["orin_projection"]
+    assert proj["thinker_tokens_per_s"] > 0 and proj["talker_frames_per_s"] > 0 and proj["ttft_s"] > 0
     assert "thinker decode tokens/s" in result.output and "target decode >= 150 tokens/s" in result.output
 
 
@@ -207,3 +208,22 @@ def test_bench_refuses_ambiguous_sources():
         run_bench(BenchConfig(config="tiny", synthetic=False))
     with pytest.raises(UsageError, match="needs --config"):
         run_bench(BenchConfig(synthetic=True))
+
+
+def test_active_bytes_at_real_dimensions(real_config, tmp_path):
+    """The Orin projection's byte counts: a thinker token reads attention, 8 of 128 experts and lm_head (~2.1 GB);
+    a speech frame reads the talker once and the BF16 code predictor 15 times (more than a text token)."""
+    import shutil
+
+    from orin.bench import active_bytes, orin_projection
+    from orin.modelcfg import load_config
+
+    act = active_bytes(load_config(real_config))
+    assert 2.0e9 < act["thinker_text"] < 2.2e9
+    assert 1.2e8 < act["talker"] < 2.5e8
+    assert act["code_predictor_per_frame"] > act["thinker_text"]
+    shutil.copy(real_config, tmp_path / "config.json")
+    proj = orin_projection(str(tmp_path), 467, 256, 100, {"stages_s": {"encode": 0.04, "thinker_prefill": 0.17},
+                                                           "peak_bytes": 1})
+    assert 50 < proj["thinker_tokens_per_s"] < 100 and proj["ttft_s"] == pytest.approx(0.21 * 2.5)
+    assert proj["first_audio_s"] > proj["ttft_s"]
