@@ -45,7 +45,7 @@ SPEECH_COMPONENTS = ("talker", "code_predictor", "code2wav")
 # Streaming code2wav: the first chunk is small so the first audio packet comes early; later chunks are
 # larger for throughput. Each chunk is decoded with left context so the causal convolutions see the
 # same history as a whole-utterance decode. The planner sizes code2wav activations from these.
-CODE2WAV_FIRST_CHUNK = 8
+CODE2WAV_FIRST_CHUNK = 4
 CODE2WAV_CHUNK = 32
 CODE2WAV_LEFT_CONTEXT = 25
 # The talker may start speaking after the thinker has produced this many text tokens.

@@ -25,7 +25,7 @@ from .errors import InputError, ModelError, UsageError
 
 log = logging.getLogger("orin.engine")
 SAMPLE_RATE = 24000
-DECODE_MODES = ("eager", "static", "graph", "compiled")
+DECODE_MODES = ("auto", "eager", "static", "graph", "compiled")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class EngineConfig:
     # Decoding (thinker, talker, code predictor): "eager" = HF modules with dynamic caches and generate();
     # "static" = orin.fastdecode (static KV caches, fused INT4 MoE, no host sync); "graph" = "static" captured in
     # CUDA graphs; "compiled" = "graph" with the layer function through torch.compile (CUDA; "static" on CPU).
-    decode: str = "eager"
+    # "auto": "compiled" on CUDA (the serve warm-up absorbs its one-off compile), "eager" on CPU.
+    decode: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,10 @@ class Engine:
         self._lock = threading.Lock()
         if cfg.decode not in DECODE_MODES:
             raise UsageError(f"decode mode {cfg.decode!r}: use one of {', '.join(DECODE_MODES)}")
-        self.decode = cfg.decode  # may be switched between requests (the benchmark compares the modes)
+        decode = cfg.decode
+        if decode == "auto":
+            decode = "compiled" if self.device.type == "cuda" else "eager"
+        self.decode = decode  # may be switched between requests (the benchmark compares the modes)
         self._decoders: dict = {}
         self._embed_cache: dict = {}
 
@@ -256,7 +260,7 @@ class Engine:
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt: _Prompt):
-        from .plan import FRAMES_PER_TEXT_TOKEN, activation_bytes, decide, kv_bytes, require_fit
+        from .plan import FRAMES_PER_TEXT_TOKEN, RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit
 
         n = int(prompt.input_ids.shape[1])
         frames = (req.max_audio_frames or req.max_new_tokens * FRAMES_PER_TEXT_TOKEN) if req.speech else 0
@@ -268,9 +272,12 @@ class Engine:
         act = activation_bytes(tokens, self.sizes.dims, eb)
         resident = {c: self.loader.memory.resident.get(c, s.runtime_int4_bytes) for c, s in self.sizes.components.items()}
         budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62
-        verdict = decide(resident, kv, act, self._needed(req, prompt), budget)
+        # On CPU the tracker counts the engine's tensors exactly; on CUDA the allocator also holds graph pools,
+        # workspaces and slack that no estimate lists.
+        margin = RUNTIME_MARGIN if self.device.type == "cuda" else 0
+        verdict = decide(resident, kv, act, self._needed(req, prompt), budget, margin)
         require_fit(verdict)
-        self._kv, self._act, self._resident_est = kv, act, resident
+        self._kv, self._act, self._resident_est, self._margin = kv, act, resident, margin
         return verdict
 
     # ------------------------------------------------------------------ residency
@@ -279,7 +286,8 @@ class Engine:
         """Make `comps` resident, evicting others when the budget needs it; then prefetch what comes next
         if it fits beside them."""
         need = [c for c in comps if not self.loader.is_resident(c)]
-        working = max([self._act.get(c, 0) for c in comps] or [0]) + sum(self._kv.get(c, 0) for c in comps)
+        working = (max([self._act.get(c, 0) for c in comps] or [0]) + sum(self._kv.get(c, 0) for c in comps)
+                   + self._margin)
         incoming = sum(self._resident_est[c] for c in need)
         self.loader.make_room(keep=comps, incoming=incoming, working=working)
         for c in comps:

@@ -25,6 +25,11 @@ PROMPT_TEXT_TOKENS = 28  # chat template plus a short question around the media 
 FRAMES_PER_TEXT_TOKEN = 4  # ~0.3 s of speech per text token at 12.5 codec frames per second; sizes the talker KV
 AUDIO_FRAMES_PER_SECOND = 100  # Whisper features: 10 ms hop at 16 kHz
 VIDEO_FPS = 2.0
+# Device memory a request needs beyond weights, KV cache and the largest live activations: the decoders'
+# CUDA-graph pools and static-cache bookkeeping, the prefill hidden states kept for the talker, cuBLAS
+# workspaces and allocator slack. Measured ~0.5 GiB above the estimate at real dimensions on an H200
+# (BENCHMARKS.md); the margin keeps the budget a hard cap. The CPU engine counts tensors exactly and uses 0.
+RUNTIME_MARGIN = 768 << 20
 
 
 @dataclass(frozen=True)
@@ -299,15 +304,16 @@ def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[
 
 
 def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], needed: tuple[str, ...],
-           budget: int) -> Verdict:
-    """The verdict for one request: `resident` holds each component's resident bytes."""
+           budget: int, margin: int = 0) -> Verdict:
+    """The verdict for one request: `resident` holds each component's resident bytes; `margin` is added to
+    every stage (see RUNTIME_MARGIN)."""
 
     def stage_bytes(comps: tuple[str, ...], kv_alive: tuple[str, ...]) -> int:
         return (sum(resident[c] for c in comps) + sum(kv.get(c, 0) for c in kv_alive)
-                + max([act.get(c, 0) for c in comps] or [0]))
+                + max([act.get(c, 0) for c in comps] or [0]) + margin)
 
     all_bytes = sum(resident[c] for c in needed) + sum(kv.get(c, 0) for c in needed) + max(
-        [act.get(c, 0) for c in needed] or [0])
+        [act.get(c, 0) for c in needed] or [0]) + margin
     largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
     for label, plan in schedules(needed):
         stages = []
@@ -322,7 +328,7 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
                                f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})")
             return Verdict(needed, all_bytes, False, True, stages, "streaming" in label, peak,
                            f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}")
-    worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0)
+    worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0) + margin
     return Verdict(needed, all_bytes, False, False, [], False, worst,
                    f"does not fit: {largest} alone needs {format_bytes(worst)} (weights, KV cache and working "
                    f"memory) but the budget is {format_bytes(budget)}")
@@ -365,6 +371,7 @@ class PlanResult:
                 "kv_by_component": self.kv,
                 "activation_bytes": max(self.act.values() or [0]),
                 "activation_by_component": self.act,
+                "runtime_margin_bytes": RUNTIME_MARGIN,
                 "needed": list(v.needed),
             },
             "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
@@ -381,13 +388,14 @@ def request_from(cfg: PlanConfig) -> Request:
 
 
 def plan_request(sizes: ModelSizes, req: Request, budget: int, dtype_bytes: int = 2,
-                 resident: dict[str, int] | None = None) -> tuple[dict, dict, dict, Verdict]:
+                 resident: dict[str, int] | None = None,
+                 margin: int = RUNTIME_MARGIN) -> tuple[dict, dict, dict, Verdict]:
     tokens = request_tokens(req, sizes.dims)
     kv = kv_bytes(tokens, sizes.dims, dtype_bytes)
     act = activation_bytes(tokens, sizes.dims, dtype_bytes)
     if resident is None:
         resident = {n: c.runtime_int4_bytes for n, c in sizes.components.items()}
-    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget)
+    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, margin)
 
 
 def make_plan(cfg: PlanConfig) -> PlanResult:
@@ -441,7 +449,8 @@ def render_plan(result: PlanResult) -> str:
     lines += ["", f"request: {tok['prompt']} prompt tokens (audio {tok['audio']}, image {tok['image']}, video "
                   f"{tok['video']}, text {result.request.prompt_text_tokens}) + {tok['generated']} generated"
                   + (f", ~{tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
-              f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])}, "
+              f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])} "
+              f"+ {format_bytes(RUNTIME_MARGIN)} runtime margin, "
               f"needs: {', '.join(r['needed'])}"]
     lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}"]
     for st in result.verdict.schedule:

@@ -40,12 +40,17 @@ def _speech(samples: int, report: dict) -> Answer:
 
 
 def test_wav_length_is_judged_from_codec_frames():
-    assert vocoder_chunks(1) == 1 and vocoder_chunks(8) == 1 and vocoder_chunks(9) == 2 and vocoder_chunks(41) == 3
-    assert expected_samples(10) == (8 * 1920, 10 * 1920)
+    from orin.components import CODE2WAV_CHUNK as CH
+    from orin.components import CODE2WAV_FIRST_CHUNK as FIRST
+
+    assert vocoder_chunks(1) == 1 and vocoder_chunks(FIRST) == 1 and vocoder_chunks(FIRST + 1) == 2
+    assert vocoder_chunks(FIRST + CH + 1) == 3
+    chunks = vocoder_chunks(10)
+    assert expected_samples(10) == ((10 - chunks) * 1920, 10 * 1920)
     assert check_wav("s", _speech(10 * 1920, {"talker_frames": 10})).status == PASS
     assert check_wav("s", _speech(9 * 1920, {"talker_frames": 10})).status == PASS  # trimmed at a chunk edge
     too_short = check_wav("s", _speech(5 * 1920, {"talker_frames": 10}))
-    assert too_short.status == FAIL and "expected 15360..19200" in too_short.detail
+    assert too_short.status == FAIL and f"expected {(10 - chunks) * 1920}..19200" in too_short.detail
     assert check_wav("s", _speech(11 * 1920, {"talker_frames": 10})).status == FAIL
     assert check_wav("s", _speech(0, {"talker_frames": 0})).status == FAIL
     # Report and WAV must agree on the length.
