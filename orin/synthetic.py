@@ -114,9 +114,9 @@ def token_ids(data: dict) -> dict[str, int]:
 def synthetic_tokenizer(data: dict):
     """A fast tokenizer whose vocabulary covers every id of the model's text vocabulary (see module doc)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AddedToken, PreTrainedTokenizerFast
+    from transformers import AddedToken
 
-    from .tiny import CHAT_TEMPLATE
+    from .tiny import wrap_tokenizer
 
     ids = token_ids(data)
     vocab_size = _lookup(data, ("thinker_config", "text_config", "vocab_size"))
@@ -136,15 +136,7 @@ def synthetic_tokenizer(data: dict):
     for name, i in ids.items():
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"synthetic tokenizer placed {name} at {tok.token_to_id(name)}, not {i}")
-    extra = {
-        "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
-        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-        "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-    }
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        model_specific_special_tokens=extra, chat_template=CHAT_TEMPLATE,
-    )
+    return wrap_tokenizer(tok)
 
 
 # ---------------------------------------------------------------------- the tensors of a segment

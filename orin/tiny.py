@@ -230,7 +230,7 @@ def _processor_class():
 
 def _build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AddedToken, PreTrainedTokenizerFast
+    from transformers import AddedToken
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
@@ -241,6 +241,14 @@ def _build_tokenizer():
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
     if tok.get_vocab_size() > TEXT_VOCAB:
         raise RuntimeError("tiny tokenizer outgrew its vocabulary")
+    return wrap_tokenizer(tok)
+
+
+def wrap_tokenizer(tok):
+    """A `tokenizers.Tokenizer` with Qwen3-Omni's special tokens as the transformers tokenizer the processor
+    expects: the media placeholders it looks up by attribute, EOS and padding, and the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     extra = {
         "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",

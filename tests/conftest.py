@@ -74,6 +74,17 @@ def quantized_dir(tiny_model_dir, tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def engine(quantized_dir):
+    """One CPU engine on the quantized tiny model, shared by the engine, server and smoke tests (requests are
+    serialised by the engine itself). Tests that need other settings build their own."""
+    from orin.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    yield eng
+    eng.close()
+
+
 # --------------------------------------------------------------------------- real hardware (`device` marker)
 
 

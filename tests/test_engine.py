@@ -25,13 +25,6 @@ def _mm_messages(seconds: float = 3.0):
     ]},)
 
 
-@pytest.fixture(scope="module")
-def engine(quantized_dir):
-    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
-    yield eng
-    eng.close()
-
-
 def _collect(engine, req):
     events = list(engine.stream(req))
     text = "".join(e.text for e in events if isinstance(e, TextDelta))

@@ -27,7 +27,7 @@ import openai
 import pytest
 from PIL import Image
 
-from orin.engine import Done, Engine, EngineConfig, TextDelta
+from orin.engine import Done, TextDelta
 from orin.media import encode_wav, synth_image, synth_speechlike
 from orin.metrics import parse_metrics
 from orin.server import ServeConfig, Server
@@ -38,13 +38,6 @@ from orin.smoke import expected_samples
 # The tiny model's random talker never says "end of speech", and a CPU codec frame costs ~80 ms: cap speech
 # at 10 frames with the server's own --max-speech-seconds.
 SPEECH_S = 0.8
-
-
-@pytest.fixture(scope="module")
-def engine(quantized_dir):
-    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -128,15 +128,6 @@ SPEECH_S = 0.8
 
 
 @pytest.fixture(scope="module")
-def engine(quantized_dir):
-    from orin.engine import Engine, EngineConfig
-
-    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
 def server(engine, quantized_dir):
     from orin.server import ServeConfig, Server
 
