@@ -345,6 +345,8 @@ class Engine:
             thinker_embed = hidden_states[0]
             thinker_hidden = hidden_states[self.config.talker_config.accept_hidden_layer]
             talker_ctx = (ids, inputs, thinker_embed, thinker_hidden)
+        # The talker needs two of the prefill's hidden-state layers; the other layers are dead weight during decode.
+        del hidden_states
         vocoder = _Vocoder(self, run) if req.speech else None
         detok = _Detokenizer(self.tokenizer)
         finished = False
