@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,29 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, tag: str = "tmp") -> Iterator[Path]:
+    """Yield an empty directory beside `path` to fill; when the block succeeds its files are synced and it
+    replaces `path` by a rename, so readers see the old directory or the whole new one, never half of it."""
+    target = Path(path)
+    tmp = target.parent / f".{target.name}.{tag}"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a killed run
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

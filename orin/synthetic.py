@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
-import shutil
 import struct
 import threading
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from . import __version__
 from . import components as C
 from .errors import ModelError, UsageError
-from .fsutil import atomic_write_json, atomic_write_text
+from .fsutil import atomic_dir, atomic_write_json, atomic_write_text
 
 # Special tokens the processor and chat template use, and where their ids live in the config.
 _SPECIAL_IDS = {
@@ -378,11 +377,7 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     data = config_dict(cfg.config)
     device = _pick_device(cfg.device)
     spec = QuantSpec(group_size=cfg.group_size)
-    tmp = out.parent / f".{out.name}.synthetic.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, "synthetic.tmp") as tmp:
         atomic_write_json(tmp / "config.json", data)
         config = load_config(tmp)
         synthetic_tokenizer(data).save_pretrained(tmp)
@@ -426,12 +421,6 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
             split=dict(C.DEFAULT_SEGMENTS), shared_files=shared, segments=segments,
         )
         write_manifest(tmp, manifest)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

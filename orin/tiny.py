@@ -11,12 +11,11 @@ embedding the largest tensor of the model); the config, tokenizer and chat templ
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
-from .fsutil import atomic_write_json, atomic_write_text
+from .fsutil import atomic_dir, atomic_write_json, atomic_write_text
 
 # Byte-level base vocabulary: ids 0..255 are the 256 bytes, then whole-word role tokens (the talker finds
 # the user turns by the token right after <|im_start|>), then the special tokens, then padding up to 320.
@@ -268,21 +267,11 @@ def write_tiny_model(cfg: TinyModelConfig) -> Path:
         raise UsageError(f"{out} exists and is not empty; pass --force to overwrite it")
     import torch
 
-    tmp = out.parent / f".{out.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         model = build_tiny_model(cfg.seed).to(torch.bfloat16)
         model.save_pretrained(tmp)
         processor = build_processor()
         processor.save_pretrained(tmp)
         atomic_write_text(tmp / "chat_template.jinja", CHAT_TEMPLATE)
         atomic_write_json(tmp / "orin_tiny.json", {"seed": cfg.seed, "token_ids": TOKEN_IDS})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out

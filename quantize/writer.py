@@ -5,7 +5,6 @@ into place. The manifest entry that marks the segment finished is added afterwar
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from orin import __version__
 from orin.components import component_of
 from orin.errors import ModelError
-from orin.fsutil import atomic_path, atomic_write_json
+from orin.fsutil import atomic_dir, atomic_path, atomic_write_json
 from orin.layout import Target, padded
 from orin.manifest import FileEntry, file_entry
 
@@ -83,20 +82,10 @@ def write_segment(out: Path, name: str, state: dict, config_file: Path, qconfig:
     """Write OUT/<name>/ through OUT/.<name>.tmp; return its file entries and the tensor payload bytes."""
     from safetensors.torch import save_file
 
-    tmp = out / f".{name}.tmp"
-    final = out / name
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "orin_segment": name})
-    shutil.copyfile(config_file, tmp / "config.json")
-    atomic_write_json(tmp / "quantize_config.json", qconfig)
-    for path in tmp.iterdir():
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    with atomic_dir(out / name) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "orin_segment": name})
+        shutil.copyfile(config_file, tmp / "config.json")
+        atomic_write_json(tmp / "quantize_config.json", qconfig)
     payload = sum(t.numel() * t.element_size() for t in state.values())
     return [file_entry(out, f"{name}/{f}") for f in SEGMENT_FILES], payload
 
