@@ -501,21 +501,22 @@ class Int4Experts(nn.Module):
         kg_gu, K_gu, _ = self._geom["gate_up"]
         kg_dn, K_dn, _ = self._geom["down"]
         inter, H = self.intermediate_dim, self.hidden_dim
-        # Few ops per expert: at decode sizes the loop is bound by per-op host time, not by the GPU.
-        outs = []
-        start = 0
+        # The loop is bound by per-op launch and host time (decode: one token per expert; prefill: 128 experts a
+        # layer), so each expert costs exactly two kernel launches: the padding, the activation and the joins run
+        # once over all experts' rows (every expert's rows are a contiguous slice of the sorted batch).
+        spans, start = [], 0  # (expert, first row, end row) of every expert that got tokens
         for e, c in enumerate(counts[: self.num_experts]):
-            if c == 0:
-                continue
-            xs = x[start : start + c]
-            start += c
-            if K_gu > H:
-                xs = F.pad(xs, (0, K_gu - H))
-            gate_up = _int4_mm(xs, gu_w[e], kg_gu, gu_sz[e])
-            h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
-            if K_dn > inter:
-                h = F.pad(h, (0, K_dn - inter))
-            outs.append(_int4_mm(h, dn_w[e], kg_dn, dn_sz[e]))
+            if c:
+                spans.append((e, start, start + c))
+                start += c
+        if K_gu > H:
+            x = F.pad(x, (0, K_gu - H))
+        gate_up = [_int4_mm(x[a:b], gu_w[e], kg_gu, gu_sz[e]) for e, a, b in spans]
+        gate_up = torch.cat(gate_up) if len(gate_up) > 1 else gate_up[0]
+        h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+        if K_dn > inter:
+            h = F.pad(h, (0, K_dn - inter))
+        outs = [_int4_mm(h[a:b], dn_w[e], kg_dn, dn_sz[e]) for e, a, b in spans]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         if out.shape[1] != H:
             out = out[:, :H]
