@@ -60,6 +60,13 @@ class GenerationRequest:
     stream_speech: bool = True  # False: speak after the whole text, as the HF reference does
     ignore_eos: bool = False  # fixed lengths, for benchmarks
 
+    @property
+    def frame_cap(self) -> int:
+        """Most codec frames the talker may produce: the planner's cap, so its KV cache is what was budgeted."""
+        from .plan import frame_cap
+
+        return frame_cap(self.max_new_tokens, self.max_audio_frames)
+
 
 @dataclass
 class TextDelta:
@@ -260,10 +267,10 @@ class Engine:
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt: _Prompt):
-        from .plan import FRAMES_PER_TEXT_TOKEN, RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit
+        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit
 
         n = int(prompt.input_ids.shape[1])
-        frames = (req.max_audio_frames or req.max_new_tokens * FRAMES_PER_TEXT_TOKEN) if req.speech else 0
+        frames = req.frame_cap if req.speech else 0
         tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": 0, "prompt": n,
                   "generated": req.max_new_tokens, "total": n + req.max_new_tokens, "talker_frames": frames,
                   "vision_patches": prompt.vision_patches}
@@ -630,16 +637,14 @@ class _Talker:
                            past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kwargs)
         self._after_forward(out)
         if self.e.decode != "eager" and (dec := self.e._fast("talker")).supported():
-            max_frames = self.run.req.max_audio_frames or (self.run.req.max_new_tokens * 8 + 32)
-            self.fast = dec.start(self.cache, int(embeds.shape[1]) + max_frames + 2)
+            self.fast = dec.start(self.cache, int(embeds.shape[1]) + self.run.req.frame_cap + 2)
 
     def _after_forward(self, out) -> None:
         self.past_hidden = out.hidden_states[0][-1][:, -1:]
         code = self._choose(out.logits[:, -1])
         self.generated.append(code)
-        max_frames = self.run.req.max_audio_frames or (self.run.req.max_new_tokens * 8 + 32)
         eos = self.e.config.talker_config.codec_eos_token_id
-        if code == eos or len(self.generated) > max_frames:
+        if code == eos or len(self.generated) > self.run.req.frame_cap:
             self.finished = True
         self.next_code = code
         self.e._track_kv(self.cache)

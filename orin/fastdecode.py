@@ -333,7 +333,22 @@ class _Runner:
 # ---------------------------------------------------------------------- thinker and talker
 
 
-class StaticDecoder:
+class _GraphToggle:
+    """`graph_enabled` of a decoder that owns a `_Runner`: CUDA graphs only ever on CUDA."""
+
+    runner: _Runner
+    device: torch.device
+
+    @property
+    def graph_enabled(self) -> bool:
+        return self.runner.graph_enabled
+
+    @graph_enabled.setter
+    def graph_enabled(self, value: bool) -> None:
+        self.runner.graph_enabled = value and self.device.type == "cuda"
+
+
+class StaticDecoder(_GraphToggle):
     """Static-cache decoding of one sequence after an HF prefill: `start(cache, max_len)`, then `step(token)`
     (thinker: returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
 
@@ -347,14 +362,6 @@ class StaticDecoder:
         self.length = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-
-    @property
-    def graph_enabled(self) -> bool:
-        return self.runner.graph_enabled
-
-    @graph_enabled.setter
-    def graph_enabled(self, value: bool) -> None:
-        self.runner.graph_enabled = value and self.device.type == "cuda"
 
     @property
     def captures(self) -> int:
@@ -449,7 +456,7 @@ def TalkerDecoder(model, device: torch.device, graph: bool | None = None, compil
 # ---------------------------------------------------------------------- code predictor
 
 
-class CodePredictor:
+class CodePredictor(_GraphToggle):
     """The talker's code predictor, greedy, as one graph per frame: a 2-position prefill (the talker's last
     hidden state and the frame's first code) then one position per residual code group, each with its own
     lm_head and codec embedding. Returns (codes [groups-1], sum of the frame's codec embeddings)."""
@@ -462,14 +469,6 @@ class CodePredictor:
         self.runner = _Runner(device, device.type == "cuda" if graph is None else graph, compile)
         self.groups = len(cp.lm_head)  # residual code groups (num_code_groups - 1)
         self.built = False
-
-    @property
-    def graph_enabled(self) -> bool:
-        return self.runner.graph_enabled
-
-    @graph_enabled.setter
-    def graph_enabled(self, value: bool) -> None:
-        self.runner.graph_enabled = value and self.device.type == "cuda"
 
     def _build(self) -> None:
         cfg, dev = self.cfg, self.device

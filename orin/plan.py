@@ -22,7 +22,13 @@ from .layout import (
 from .units import format_bytes
 
 PROMPT_TEXT_TOKENS = 28  # chat template plus a short question around the media placeholders
-FRAMES_PER_TEXT_TOKEN = 4  # ~0.3 s of speech per text token at 12.5 codec frames per second; sizes the talker KV
+
+
+def frame_cap(text_tokens: int, max_frames: int | None = None) -> int:
+    """Most codec frames the talker may produce for `text_tokens` of text (it normally stops at its own EOS
+    first): 8 a token is 0.64 s of speech per token, far above real speech, plus slack for short answers.
+    The engine stops the talker here, and the planner sizes the talker's KV cache from it."""
+    return max_frames or text_tokens * 8 + 32
 AUDIO_FRAMES_PER_SECOND = 100  # Whisper features: 10 ms hop at 16 kHz
 VIDEO_FPS = 2.0
 # Device memory a request needs beyond weights, KV cache and the largest live activations: the decoders'
@@ -207,7 +213,7 @@ def request_tokens(req: Request, dims: dict) -> dict:
     vid = (math.ceil(frames / 2) * patches // v["merge"] ** 2) if frames else 0
     aud = audio_tokens(req.audio_seconds, dims["audio"]["n_window"])
     prompt = aud + img + vid + req.prompt_text_tokens
-    frames_out = req.text_tokens * FRAMES_PER_TEXT_TOKEN if req.speech else 0
+    frames_out = frame_cap(req.text_tokens) if req.speech else 0
     return {"audio": aud, "image": img, "video": vid, "prompt": prompt, "generated": req.text_tokens,
             "total": prompt + req.text_tokens, "talker_frames": frames_out,
             "vision_patches": req.images * patches + math.ceil(frames / 2) * patches}
@@ -448,7 +454,7 @@ def render_plan(result: PlanResult) -> str:
     tok = r["tokens"]
     lines += ["", f"request: {tok['prompt']} prompt tokens (audio {tok['audio']}, image {tok['image']}, video "
                   f"{tok['video']}, text {result.request.prompt_text_tokens}) + {tok['generated']} generated"
-                  + (f", ~{tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
+                  + (f", up to {tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
               f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])} "
               f"+ {format_bytes(RUNTIME_MARGIN)} runtime margin, "
               f"needs: {', '.join(r['needed'])}"]
