@@ -161,6 +161,7 @@ def summarize_engine(report: dict, label: str) -> dict:
         "total_s": report.get("total_s"),
         "streaming_speech": report.get("streaming_speech"),
         "stages_s": {k: v.get("seconds") for k, v in stages.items()},
+        "timeline_s": report.get("timeline_s"),
         "schedule": [s.get("name") for s in report.get("schedule") or []],
     }
 
@@ -235,6 +236,11 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, 
                 record("verify", verify_fast_decode(engine, cfg.decode_modes))
             except Exception as exc:  # noqa: BLE001 - a failed check is a finding, not a reason to stop
                 record("verify", {"error": f"{type(exc).__name__}: {exc}"[:1000]})
+        if device.type == "cuda":
+            try:
+                record("verify_prefill", verify_prefill(engine))
+            except Exception as exc:  # noqa: BLE001 - a failed check is a finding, not a reason to stop
+                record("verify_prefill", {"error": f"{type(exc).__name__}: {exc}"[:1000]})
         if cfg.profile and device.type == "cuda":
             record("profile", profile_request(engine, cfg, inputs, modes=(cfg.decode_modes[-1],)))
     finally:
@@ -368,6 +374,52 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
         torch.cuda.synchronize()
         out["code_predictor_hf_generate_ms"] = (time.perf_counter() - t0) / 3 * 1e3
         out["code_predictor_codes"] = int(pred.sequences.numel())
+    return out
+
+
+def verify_prefill(engine, rows: int = 467) -> dict:
+    """The prefill's INT4 paths on the loaded model (orin.int4): one thinker MoE layer's experts and its q_proj
+    over `rows` random rows, the grouped (Triton) / dense path against tinygemm per expert (the decode path),
+    relative error and milliseconds of each."""
+    import torch
+
+    from . import int4
+
+    def timed(fn, n: int = 10):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y = fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e3, y
+
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        return float((a - b).norm() / b.norm())
+
+    out = {"rows": rows}
+    dev = engine.device
+    lm = engine.model.thinker.model.language_model
+    layer = next(layer for layer in lm.layers if hasattr(layer.mlp, "gate"))
+    gen = torch.Generator(device=dev).manual_seed(2)
+    saved = (int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS)
+    with torch.inference_mode():
+        h = torch.randn((rows, lm.config.hidden_size), generator=gen, device=dev).to(torch.bfloat16)
+        _, w, idx = layer.mlp.gate(h)
+        q = layer.self_attn.q_proj
+        try:
+            int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS = 10**9, 10**9
+            out["moe_per_expert_ms"], ref = timed(lambda: layer.mlp.experts(h, idx, w))
+            out["q_proj_tinygemm_ms"], q_ref = timed(lambda: q(h))
+        finally:
+            int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS = saved
+        out["moe_grouped_ms"], got = timed(lambda: layer.mlp.experts(h, idx, w))
+        out["moe_grouped_rel_err"] = rel(got, ref)
+        out["q_proj_dense_ms"], q_got = timed(lambda: q(h))
+        out["q_proj_dense_rel_err"] = rel(q_got, q_ref)
+    out["triton_gemm_error"] = int4.fused_gemm.error
+    out["triton_dequant_error"] = int4.dequantize_packed.error
     return out
 
 

@@ -111,6 +111,10 @@ class _Run:
     frames: list = field(default_factory=list)
     audio_samples: int = 0
     talker_seconds: float = 0.0
+    timeline: dict[str, float] = field(default_factory=dict)  # seconds from t0 at each step to the first outputs
+
+    def mark(self, name: str) -> None:
+        self.timeline.setdefault(name, time.perf_counter() - self.t0)
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
@@ -203,7 +207,9 @@ class Engine:
             self.loader.memory.reset_peak()
             with self.meter.measure("request") as measurement:
                 prompt = self._prepare(req)
+                run.mark("prepared")
                 verdict = self._plan(req, prompt)
+                run.mark("planned")
                 try:
                     yield from self._pipeline(run, prompt, verdict)
                 except Cancelled:
@@ -335,16 +341,21 @@ class Engine:
                     image_out = thinker.model.get_image_features(
                         inputs["pixel_values"].to(self.dtype), inputs["image_grid_thw"], return_dict=True)
             self._check(run)
+        run.mark("encoded")
         self._stage(think_comps, next_comps=speak_after[0] if speak_after else ())
+        run.mark("thinker_resident")
 
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
         ids = inputs["input_ids"]
         with self.meter.stage("thinker_prefill"):
             cache, hidden_states, logits = self._thinker_prefill(inputs, ids, audio_feats, image_out, req.speech)
+        run.mark("prefilled")
         if self.decode != "eager" and (fast := self._fast("thinker")).supported():
             cache = fast.start(cache, int(ids.shape[1]) + req.max_new_tokens)
+            run.mark("decoder_started")
         token = self._sample(logits, req.temperature, req.top_p, gen)
         run.ttft = time.perf_counter() - run.t0
+        run.mark("first_token")
         run.decode_start = time.perf_counter()
         eos = self.config.im_end_token_id
         talker = None
@@ -504,6 +515,7 @@ class Engine:
         talker = _Talker(self, run, ids, inputs, thinker_embed, thinker_hidden)
         with self.meter.stage("talker"):
             talker.prefill()
+        run.mark("talker_prefilled")
         return talker
 
     def _advance_talker(self, run: _Run, talker: _Talker, vocoder, thinker_done: bool, until_end: bool = False):
@@ -544,6 +556,7 @@ class Engine:
             "token_ids": list(run.tokens),
             "ttft_s": run.ttft,
             "first_audio_s": run.first_audio,
+            "timeline_s": dict(run.timeline),
             "tokens_per_s": (decode_tokens / decode_s) if decode_tokens and decode_s > 0 else None,
             "total_s": time.perf_counter() - run.t0,
             "talker_frames": len(run.frames),
@@ -747,6 +760,7 @@ class _Vocoder:
             self.done = end
             if self.run.first_audio is None:
                 self.run.first_audio = time.perf_counter() - self.run.t0
+                self.run.mark("first_audio")
             self.run.audio_samples += samples.size
             yield AudioChunk(samples, self.index)
             self.index += 1

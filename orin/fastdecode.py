@@ -13,7 +13,9 @@ nothing depends on host values:
   gate/up of all k concatenated along N (same input), down of all k concatenated along K with each expert's
   routing weight applied to its input first, so the kernel sums the experts. torch's CUDA int4pack layout is
   tile-local ([N/8, K/(16*tiles), 32, tiles/2]): concatenating packed tiles is packing the concatenated
-  matrix. On CPU the k experts run one by one (same math, no host sync either).
+  matrix. With Triton (CUDA), `orin.int4_triton.moe_gemv` instead reads the chosen experts' tiles where they
+  lie (no 19 MB gather per layer), one launch for gate/up and one for down. On CPU the k experts run one by
+  one (same math, no host sync either).
 
 On CUDA each decoder is captured once per weight placement and replayed per position (a placement change, the
 component swapped out and back in, is detected from the tensors' addresses and recaptured). With `compile=True`
@@ -69,6 +71,7 @@ class LayerSpec:
     down: tuple = ()
     dense: tuple[LinearSpec, ...] = ()  # gate, up, down of a dense MLP or of the shared expert
     fused_moe: bool = True  # the concatenated-experts path (CUDA packed layout)
+    triton_moe: bool = False  # CUDA with Triton: orin.int4_triton.moe_gemv reads the chosen experts in place
 
 
 def _int4_mm(x, w, group, sz):
@@ -107,8 +110,11 @@ def _rope(x, cos, sin):
 
 def _route(h, spec: LayerSpec, w: dict):
     """HF's top-k router: softmax in float32, top-k, renormalised, in h's dtype."""
-    probs = torch.softmax(F.linear(h, w["router"]), dim=-1, dtype=torch.float)
-    top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)
+    logits = F.linear(h, w["router"])
+    if spec.triton_moe:  # one kernel for softmax and top-k (orin.router_triton)
+        top_w, top_i = torch.ops.orin.softmax_topk(logits, spec.top_k)
+    else:
+        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), spec.top_k, dim=-1)
     if spec.norm_topk:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w.to(h.dtype), top_i
@@ -128,6 +134,15 @@ def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
     for t in range(T):
         sel = top_i[t]
         xt = x[t:t + 1].contiguous()
+        if spec.triton_moe:
+            gu = torch.ops.orin.int4_moe_gemv(xt, gu_all, gu_sz_all, sel, kg_gu).sum(0).to(x.dtype)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+            act = act * top_w[t].reshape(k, 1).to(act.dtype)
+            if K_dn > inter:
+                act = F.pad(act, (0, K_dn - inter))
+            out = torch.ops.orin.int4_moe_gemv(act, dn_all, dn_sz_all, sel, kg_dn).sum((0, 1)).unsqueeze(0)
+            outs.append(out[:, :H])
+            continue
         if spec.fused_moe:
             gu_w = gu_all.index_select(0, sel)
             gu_w = gu_w.reshape(k * gu_w.shape[1], *gu_w.shape[2:])
@@ -223,6 +238,16 @@ def supported(layer) -> bool:
     return _silu(getattr(mlp, "act_fn", None))
 
 
+def _triton_moe(device: torch.device) -> bool:
+    from .int4 import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return False
+    from . import int4_triton, router_triton  # noqa: F401 - registers torch.ops.orin.softmax_topk
+
+    return int4_triton.DECODE_GEMV
+
+
 def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:
     attn = layer.self_attn
     w: dict = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
@@ -250,7 +275,7 @@ def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:
             w["shared_expert_gate"] = mlp.shared_expert_gate.weight
         spec = LayerSpec(**common, mlp=kind, top_k=mlp.gate.top_k, norm_topk=mlp.gate.norm_topk_prob,
                          inter=ex.intermediate_dim, gate_up=ex._geom["gate_up"], down=ex._geom["down"], dense=dense,
-                         fused_moe=device.type == "cuda")
+                         fused_moe=device.type == "cuda", triton_moe=_triton_moe(device))
     else:
         parts = [_linear_of(mlp.gate_proj), _linear_of(mlp.up_proj), _linear_of(mlp.down_proj)]
         w["gate"], w["up"], w["down"] = (p[1] for p in parts)
@@ -284,6 +309,12 @@ class _Runner:
             # One compiled variant per layer shape and cache length (thinker, talker, code predictor prefill
             # and step, each KV length): more than dynamo's default of 8 over a server's life.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # Inductor's pool of compile worker processes competes with the requests that follow for CPU:
+            # on an H200 host the next requests' feature extraction took 0.12 s instead of 0.01 s (BENCHMARKS.md).
+            # Compiling in-process is slower once (the warm-up absorbs it) and leaves nothing running.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.compile_threads = 1
             self._compiled = torch.compile(decoder_layer, dynamic=False, fullgraph=False)
         return self._compiled
 
@@ -529,7 +560,7 @@ def fused_moe_int4(experts, h: torch.Tensor, top_idx: torch.Tensor, top_w: torch
     spec = LayerSpec(hidden=experts.hidden_dim, heads=1, kv_heads=1, head_dim=1, eps=0.0, qk_eps=0.0, scaling=1.0,
                      q=None, k=None, v=None, o=None, mlp="moe", top_k=top_idx.shape[1],
                      inter=experts.intermediate_dim, gate_up=experts._geom["gate_up"], down=experts._geom["down"],
-                     fused_moe=h.is_cuda)
+                     fused_moe=h.is_cuda, triton_moe=_triton_moe(h.device))
     tensors = (experts.gate_up_packed, experts.gate_up_scales_and_zeros, experts.down_packed,
                experts.down_scales_and_zeros)
     return _experts(h, spec, tensors, top_w.to(h.dtype), top_idx)

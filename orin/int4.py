@@ -12,6 +12,17 @@ Kernels and the constraints found in torch 2.13 (CPU) / the CUDA source of ``int
 - Both: group in {32, 64, 128, 256}; ``scales_and_zeros`` [K/group, N, 2]; the kernel dequantizes
   ``w = (q - 8) * scale + zero``, so a GPTQ zero point z becomes ``zero = scale * (8 - z)``.
 
+Prefill (many rows at once) does not go through tinygemm: that kernel is GEMV-shaped, fast for a few rows and
+far off a dense GEMM at hundreds, and one launch per expert made the MoE prefill launch-bound (12k launches for
+467 tokens). From ``LINEAR_DEQUANT_MIN_ROWS`` rows an ``Int4Linear`` dequantizes its weight to the compute dtype
+and runs one dense GEMM; from ``GROUPED_MIN_ROWS_PER_EXPERT`` rows per expert an ``Int4Experts`` runs all its
+rows as one grouped GEMM: on CUDA with Triton, ``orin.int4_triton``'s kernel, which dequantizes the packed tiles
+in registers (weights read once, at 0.5 byte each); elsewhere, experts dequantized a chunk of at most
+``orin.plan.PREFILL_DEQUANT_CHUNK`` bytes at a time and ``torch._grouped_mm``. Dequantizing reads the packed
+layout directly: on CUDA by the layout of ``int4mm.cu``'s ``matrix_to_m16n8k16_Bint4_layout`` (``_codes_cuda``,
+checked once per process against the real converter; the Triton kernels read the same layout); on CPU, whose
+layout depends on the ISA, by an order found by converting probe matrices (``_cpu_order``).
+
 So at load time a GPTQ layer (see orin.gptq_format) is turned into: codes padded to K_run = groups * g (zero
 activations feed the padding) and N_pad = N rounded up to 16 (extra outputs sliced off), a kernel group that
 divides g (scales repeated when g > 256), and the device's packed layout. The packed layout differs between CPU
@@ -35,6 +46,10 @@ Buffers are non-persistent: ``state_dict()`` never mixes kernel layouts with che
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import math
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,12 +60,26 @@ from torch import nn
 
 from orin.errors import ModelError
 from orin.gptq_format import GPTQ_KEYS, check_in_features, decode_qzeros_v1, gptq_v1_geometry
+from orin.plan import PREFILL_DEQUANT_CHUNK
+
+log = logging.getLogger("orin.int4")
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 N_ALIGN = 16
 # Rows converted at once on CPU, bounding the int32 [rows, K] transient; a multiple of the CPU kernel's 64-row block.
 CPU_CONVERT_CHUNK_ROWS = 4096
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+# Rows from which an Int4Linear runs as dequantize + dense GEMM instead of tinygemm (prefill, encoders), and
+# rows per expert (on average) from which an Int4Experts runs as dequantized chunks + grouped GEMMs.
+LINEAR_DEQUANT_MIN_ROWS = 64
+GROUPED_MIN_ROWS_PER_EXPERT = 1
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether orin.int4_triton's kernels can run here: Triton installed (CUDA builds of torch bring it) and a
+    CUDA device."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
 def kernel_group_size(g: int) -> int:
@@ -95,8 +124,19 @@ def _cuda_codes_bytes(qweight: torch.Tensor) -> torch.Tensor:
     return b.bitwise_and_(0x0F).bitwise_left_shift_(4).bitwise_or_(high)
 
 
+def _convert_cpu_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int32 codes [N, K] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
+    N = codes.shape[0]
+    step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
+    parts = [
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[n0 : n0 + step].contiguous(), 1)
+        for n0 in range(0, N, step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
+    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2] (codes unpacked one row block at a time)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 8, 1)
     N = qweight.shape[1]
     step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
@@ -104,9 +144,156 @@ def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
     for n0 in range(0, N, step):
         words = qweight[:, n0 : n0 + step]
         codes = ((words.unsqueeze(1) >> shifts) & 0xF).reshape(-1, words.shape[1]).t().contiguous()
-        parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        parts.append(_convert_cpu_codes(codes))
         del codes
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# ---------------------------------------------------------------- reading the packed layouts back
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """A packed tensor's 4-bit fields in storage order (byte by byte, low nibble first) as uint8, last dim x2
+    per byte: int32 [..., J] -> [..., 8J], uint8 [..., B] -> [..., 2B]."""
+    if sys.byteorder != "little":
+        raise RuntimeError("reading the INT4 packed layouts assumes a little-endian host")
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+def _codes_cuda(packed: torch.Tensor) -> torch.Tensor:
+    """CUDA int4pack [..., N/8, K/(16*tiles), 32, tiles/2] int32 -> codes [..., N, K] uint8.
+
+    From ``matrix_to_m16n8k16_Bint4_layout``: lane t of an 8-row n-tile holds row ``t // 4``; word j of a
+    k-super-tile holds two 16-wide k-tiles; its nibble s = 4h + 2a + b holds column
+    ``32j + 16a + 8b + 2(t % 4) + h`` of the super-tile (h: the even or odd column of a byte pair).
+    """
+    *lead, NT, KO, lanes, J = packed.shape
+    q = _nibbles(packed).view(*lead, NT, KO, 8, 4, J, 2, 2, 2)  # ..., n-tile, k-super, tn, tk, j, h, a, b
+    d = len(lead)
+    order = [*range(d)] + [d + i for i in (0, 2, 1, 4, 6, 7, 3, 5)]  # -> n-tile, tn, k-super, j, a, b, tk, h
+    return q.permute(order).reshape(*lead, NT * 8, KO * J * 32)
+
+
+_CPU_ORDER: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _cpu_order(N: int, K: int) -> torch.Tensor:
+    """For the CPU layout of an [N, K] matrix: the storage position of each (n, k), flattened (int64 [N*K]).
+
+    The CPU kernel's layout depends on the ISA it was built for, so instead of transcribing it, probe it:
+    convert matrices whose codes are the hex digits of each element's index and read the digits back.
+    """
+    key = (N, K)
+    if key not in _CPU_ORDER:
+        index = torch.arange(N * K, dtype=torch.int64)
+        source = torch.zeros(N * K, dtype=torch.int64)
+        for d in range(max(1, math.ceil(math.log2(N * K) / 4))):
+            probe = ((index >> (4 * d)) & 0xF).to(torch.int32).view(N, K)
+            source |= _nibbles(_convert_cpu_codes(probe)).reshape(-1).long() << (4 * d)
+        order = torch.full((N * K,), -1, dtype=torch.int64)
+        order[source] = index
+        if (order < 0).any():
+            raise RuntimeError("the CPU int4pack conversion is not a permutation of the codes; orin.int4 cannot read it")
+        _CPU_ORDER[key] = order
+    return _CPU_ORDER[key]
+
+
+def unpack_codes(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The 4-bit codes [..., N, K] (uint8) of packed kernel weights [..., *packed_shape] of either layout."""
+    if packed.dtype == torch.int32:  # the CUDA layout (the CPU kernel's is uint8)
+        return _codes_cuda(packed)
+    lead = packed.shape[:-2]
+    flat = _nibbles(packed).reshape(*lead, N * K)
+    return flat.index_select(-1, _cpu_order(N, K).to(packed.device)).view(*lead, N, K)
+
+
+def _dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
+    """Packed weights [..., *] + scales_and_zeros [..., K/group, N, 2] -> the kernel's weight [..., N, K] in the
+    scales' dtype: ``(q - 8) * scale + zero``, computed in float32 and rounded once."""
+    G, N = scales_and_zeros.shape[-3], scales_and_zeros.shape[-2]
+    K = G * kernel_group
+    q = unpack_codes(packed, N, K)
+    lead = q.shape[:-2]
+    sz = scales_and_zeros.float().transpose(-3, -2).unsqueeze(-2)  # [..., N, G, 1, 2]
+    w = (q.view(*lead, N, G, kernel_group).float() - 8.0) * sz[..., 0] + sz[..., 1]
+    return w.to(scales_and_zeros.dtype).view(*lead, N, K)
+
+
+class _Dequantizer:
+    """``_dequantize`` as one Triton kernel on CUDA (``orin.int4_triton.dequantize``: bandwidth-speed, where the
+    torch ops make ~8 passes over the weights), the torch ops elsewhere. A Triton failure falls back to the torch
+    ops for the rest of the process."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self._checked: set[tuple] = set()
+
+    def _check_cuda_layout(self, packed: torch.Tensor) -> None:
+        """Once per device and tile count: read back a converted random matrix (guards against a torch whose
+        int4pack layout differs from the one ``_codes_cuda`` and the Triton kernels read)."""
+        tiles = packed.shape[-1] * 2
+        key = (packed.device, tiles)
+        if key in self._checked:
+            return
+        K = 16 * tiles * 2
+        codes = torch.randint(0, 16, (16, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        pairs = codes.to(torch.uint8).view(16, K // 2, 2)
+        bytes_ = (pairs[..., 0] << 4) | pairs[..., 1]
+        converted = torch.ops.aten._convert_weight_to_int4pack(bytes_.to(packed.device).contiguous(), tiles)
+        if not torch.equal(_codes_cuda(converted).cpu().int(), codes):
+            raise ModelError(
+                "this torch build's CUDA int4pack layout is not the one orin.int4 reads; prefill cannot "
+                "dequantize INT4 weights — report the torch version"
+            )
+        self._checked.add(key)
+
+    def __call__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
+        if packed.is_cuda:
+            self._check_cuda_layout(packed)
+            if self.error is None and triton_available():
+                from orin import int4_triton
+
+                try:
+                    return int4_triton.dequantize(packed, scales_and_zeros, kernel_group)
+                except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
+                    self.error = f"{type(exc).__name__}: {exc}"[:500]
+                    log.warning("the Triton INT4 dequantization failed (%s); using torch ops", exc)
+        return _dequantize(packed, scales_and_zeros, kernel_group)
+
+
+dequantize_packed = _Dequantizer()
+
+
+class _FusedGemm:
+    """``orin.int4_triton.grouped_int4_mm`` where it can run (CUDA, Triton, bf16, 4 inner k-tiles); a kernel
+    failure disables it for the process and the callers fall back to dequantized chunks."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.enabled = True
+
+    def usable(self, x: torch.Tensor, packed: torch.Tensor) -> bool:
+        if not (self.enabled and self.error is None and x.is_cuda and triton_available()):
+            return False
+        from orin import int4_triton
+
+        dequantize_packed._check_cuda_layout(packed)
+        return int4_triton.supports(packed)
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
+                 ends: torch.Tensor, max_rows: int) -> torch.Tensor:
+        from orin import int4_triton
+
+        try:
+            return int4_triton.grouped_int4_mm(x, packed, scales_and_zeros, kernel_group, ends, max_rows)
+        except Exception as exc:  # noqa: BLE001 - re-raised for the caller's fallback, after switching off
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("the Triton INT4 GEMM failed (%s); it is off for this process", exc)
+            raise
+
+
+fused_gemm = _FusedGemm()
 
 
 class _KernelWeight:
@@ -276,7 +463,10 @@ class Int4Linear(nn.Module):
             x2 = x2.to(self.compute_dtype)
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
-        y = _int4_mm(x2.contiguous(), self.weight_packed, self.kernel_group_size, self.scales_and_zeros)
+        if x2.shape[0] >= LINEAR_DEQUANT_MIN_ROWS:
+            y = F.linear(x2, dequantize_packed(self.weight_packed, self.scales_and_zeros, self.kernel_group_size))
+        else:
+            y = _int4_mm(x2.contiguous(), self.weight_packed, self.kernel_group_size, self.scales_and_zeros)
         if self.padded_out_features > self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None:
@@ -352,8 +542,10 @@ class Int4Experts(nn.Module):
 
     Same call as the module it replaces: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
     -> [T, H]``, same math (``down(act(gate(x)) * up(x)) * weight`` summed over the chosen experts; an index equal to
-    ``num_experts`` is skipped like HF). Only the experts the router picked run; tokens are grouped per expert with
-    one sort and one host sync (the per-expert token counts). Per expert, gate and up are one fused matmul.
+    ``num_experts`` is skipped like HF). Tokens are grouped per expert with one sort and one host sync (the
+    per-expert token counts); gate and up are one fused matmul. A few rows (decode) run tinygemm for each expert
+    the router picked; from ``GROUPED_MIN_ROWS_PER_EXPERT`` rows per expert (prefill) the experts are
+    dequantized a chunk at a time and each chunk's token groups run as one grouped GEMM.
     """
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module) -> None:
@@ -486,44 +678,109 @@ class Int4Experts(nn.Module):
         T, k = top_k_index.shape
         if T == 0:
             return final
+        E = self.num_experts
+        grouped = T * k >= GROUPED_MIN_ROWS_PER_EXPERT * E
+        if grouped and fused_gemm.usable(hidden_states, self.gate_up_packed):
+            try:
+                return self._forward_fused(hidden_states, top_k_index, top_k_weights, final)
+            except Exception:  # noqa: BLE001 - the kernel's own failure (recorded, and it is now off) falls back
+                if fused_gemm.error is None:
+                    raise
+                final.zero_()
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
+        counts_dev = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E]
+        counts = counts_dev.tolist()  # the one host sync
+        rows = sum(counts)
+        if rows == 0:
+            return final
+        order = order[:rows]
+        token = order // k
+        x = self._rows(hidden_states, token)
+        # Every expert's rows are a contiguous slice of the sorted batch, so padding, activation and joins run
+        # once over all rows; only the matmuls are per expert (decode) or per chunk of experts (prefill).
+        if grouped:
+            ends = torch.cumsum(counts_dev, 0)
+            gate_up = self._grouped(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0],
+                                    counts, ends)
+        else:
+            gate_up = self._per_expert(x, 0, self._geom["gate_up"][0], counts)
+        h = self._act(gate_up)
+        if grouped:
+            out = self._grouped(h, self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], counts, ends)
+        else:
+            out = self._per_expert(h, 2, self._geom["down"][0], counts)
+        weights = top_k_weights.reshape(-1)[order]
+        return self._combine(final, out, weights, token)
+
+    def _forward_fused(self, hidden_states, top_k_index, top_k_weights, final) -> torch.Tensor:
+        """Prefill on CUDA: one Triton launch per projection over all experts, group boundaries on the device
+        (no host sync, so the host queues the next layers while this one runs)."""
+        E, (T, k) = self.num_experts, top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
-        n_valid = sum(counts[: self.num_experts])  # indices >= num_experts sort last and are skipped
-        if n_valid == 0:
-            return final
-        order = order[:n_valid]
+        # counted by scatter_add: bincount on CUDA syncs with the host to size its output
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat.clamp(max=E), torch.ones_like(flat))
+        ends = torch.cumsum(counts[:E], 0)
         token = order // k
+        x = self._rows(hidden_states, token)
+        gate_up = fused_gemm(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0], ends, T)
+        out = fused_gemm(self._act(gate_up), self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], ends,
+                         T)
+        # rows of out-of-range indices sort last, beyond ends[-1], and come back zero: weigh them 0 as well
+        sorted_idx = flat[order]
+        weights = torch.where(sorted_idx < E, top_k_weights.reshape(-1)[order], 0)
+        return self._combine(final, out, weights, token)
+
+    def _rows(self, hidden_states: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The sorted rows in the compute dtype, padded to the kernel's K."""
         x = hidden_states[token]
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        gu_w, gu_sz, dn_w, dn_sz = self._expert_views()
-        kg_gu, K_gu, _ = self._geom["gate_up"]
-        kg_dn, K_dn, _ = self._geom["down"]
-        inter, H = self.intermediate_dim, self.hidden_dim
-        # The loop is bound by per-op launch and host time (decode: one token per expert; prefill: 128 experts a
-        # layer), so each expert costs exactly two kernel launches: the padding, the activation and the joins run
-        # once over all experts' rows (every expert's rows are a contiguous slice of the sorted batch).
-        spans, start = [], 0  # (expert, first row, end row) of every expert that got tokens
-        for e, c in enumerate(counts[: self.num_experts]):
-            if c:
-                spans.append((e, start, start + c))
-                start += c
-        if K_gu > H:
-            x = F.pad(x, (0, K_gu - H))
-        gate_up = [_int4_mm(x[a:b], gu_w[e], kg_gu, gu_sz[e]) for e, a, b in spans]
-        gate_up = torch.cat(gate_up) if len(gate_up) > 1 else gate_up[0]
+        K_gu = self._geom["gate_up"][1]
+        return F.pad(x, (0, K_gu - self.hidden_dim)) if K_gu > self.hidden_dim else x
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.intermediate_dim
         h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
-        if K_dn > inter:
-            h = F.pad(h, (0, K_dn - inter))
-        outs = [_int4_mm(h[a:b], dn_w[e], kg_dn, dn_sz[e]) for e, a, b in spans]
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        if out.shape[1] != H:
-            out = out[:, :H]
-        weights = top_k_weights.reshape(-1)[order]
-        out = out.to(hidden_states.dtype) * weights[:, None]
-        final.index_add_(0, token, out.to(final.dtype))
-        return final
+        K_dn = self._geom["down"][1]
+        return F.pad(h, (0, K_dn - inter)) if K_dn > inter else h
+
+    def _combine(self, final: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor):
+        out = out[:, : self.hidden_dim].to(final.dtype) * weights[:, None].to(final.dtype)
+        return final.index_add_(0, token, out)
+
+    def _per_expert(self, x: torch.Tensor, which: int, kernel_group: int, counts: list[int]) -> torch.Tensor:
+        """tinygemm, one launch per expert that got rows (decode: a handful of rows in all)."""
+        views = self._expert_views()
+        packed, sz = views[which], views[which + 1]
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                outs.append(_int4_mm(x[start : start + c], packed[e], kernel_group, sz[e]))
+                start += c
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _grouped(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
+                 counts: list[int], ends: torch.Tensor) -> torch.Tensor:
+        """All experts' rows in a few grouped GEMMs where the Triton kernel cannot run: experts dequantized a
+        chunk at a time (bounded transient), each chunk's token groups one ``torch._grouped_mm``."""
+        E = self.num_experts
+        N_pad = scales_and_zeros.shape[-2]
+        per = max(1, PREFILL_DEQUANT_CHUNK // (N_pad * x.shape[1] * x.element_size()))
+        out = x.new_empty((x.shape[0], N_pad))
+        start = 0
+        for e0 in range(0, E, per):
+            e1 = min(E, e0 + per)
+            rows = sum(counts[e0:e1])
+            if not rows:
+                continue
+            w = dequantize_packed(packed[e0:e1], scales_and_zeros[e0:e1], kernel_group)
+            offs = (ends[e0:e1] - start).to(torch.int32)
+            out[start : start + rows] = torch._grouped_mm(x[start : start + rows], w.transpose(1, 2), offs=offs)
+            start += rows
+        return out
 
     def extra_repr(self) -> str:
         return (
@@ -621,5 +878,9 @@ __all__ = [
     "kernel_group_size",
     "load_int4_module",
     "quantized_module_paths",
+    "triton_available",
+    "dequantize_packed",
+    "fused_gemm",
     "unload_int4_module",
+    "unpack_codes",
 ]

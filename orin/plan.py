@@ -36,6 +36,9 @@ VIDEO_FPS = 2.0
 # workspaces and allocator slack. Measured ~0.5 GiB above the estimate at real dimensions on an H200
 # (BENCHMARKS.md); the margin keeps the budget a hard cap. The CPU engine counts tensors exactly and uses 0.
 RUNTIME_MARGIN = 768 << 20
+# Most bytes of INT4 weights the prefill holds dequantized at once (orin.int4: prefill runs dense and grouped
+# GEMMs on dequantized chunks of experts instead of one tinygemm launch per expert).
+PREFILL_DEQUANT_CHUNK = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,8 @@ def model_dims(config) -> dict:
         "vision": {"hidden": vi.hidden_size, "intermediate": vi.intermediate_size, "heads": vi.num_heads,
                    "patch": vi.patch_size, "merge": vi.spatial_merge_size, "depth": vi.depth},
         "talker": {"layers": ktt.num_hidden_layers, "hidden": ktt.hidden_size, "heads": ktt.num_attention_heads,
-                   "kv_heads": ktt.num_key_value_heads, "head_dim": ktt.head_dim, "top_k": ktt.num_experts_per_tok,
-                   "moe_intermediate": ktt.moe_intermediate_size,
+                   "kv_heads": ktt.num_key_value_heads, "head_dim": ktt.head_dim, "experts": ktt.num_experts,
+                   "top_k": ktt.num_experts_per_tok, "moe_intermediate": ktt.moe_intermediate_size,
                    "shared_intermediate": ktt.shared_expert_intermediate_size, "vocab": ktt.vocab_size},
         "code_predictor": {"layers": cp.num_hidden_layers, "hidden": cp.hidden_size, "kv_heads": cp.num_key_value_heads,
                            "head_dim": cp.head_dim, "groups": tk.num_code_groups},
@@ -229,6 +232,12 @@ def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     return {"thinker_text": thinker, "talker": talker, "code_predictor": predictor if talker_len else 0}
 
 
+def _dequant_bytes(d: dict, b: int) -> int:
+    """The prefill's dequantized-experts chunk: whole experts, at most PREFILL_DEQUANT_CHUNK bytes."""
+    one = 2 * d["moe_intermediate"] * d["hidden"] * b  # the larger projection: fused gate/up
+    return one * max(1, min(d["experts"], PREFILL_DEQUANT_CHUNK // one))
+
+
 def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     """Transient working memory per stage (bytes), upper estimates of the largest live intermediates."""
     b = dtype_bytes
@@ -247,11 +256,11 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     attn = t["heads"] * T * T * b
     moe = T * t["top_k"] * 3 * t["moe_intermediate"] * b
     proj = T * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b
-    out["thinker_text"] = attn + moe + proj + t["vocab"] * 4 * 2
+    out["thinker_text"] = attn + moe + proj + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:
         Tt = T + 9
         out["talker"] = (k["heads"] * Tt * Tt * b + Tt * k["top_k"] * 3 * k["moe_intermediate"] * b
-                         + Tt * 4 * k["hidden"] * b + k["vocab"] * 4)
+                         + Tt * 4 * k["hidden"] * b + k["vocab"] * 4 + _dequant_bytes(k, b))
         c = dims["code2wav"]
         length = (C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT) * math.prod(c["upsampling_ratios"])
         peak = length * c["hidden"] * 4 * b

@@ -66,6 +66,13 @@ def test_image_audio_text_with_speech(engine):
         report["completion_tokens"] < 8
     assert report["streaming_speech"] is True
     assert 0 < report["ttft_s"] <= report["first_audio_s"] <= report["total_s"]
+    # where the time to the first outputs went, in the order it happened
+    timeline = report["timeline_s"]
+    assert list(timeline) == sorted(timeline, key=timeline.get)
+    assert {"prepared", "planned", "encoded", "prefilled", "first_token", "talker_prefilled",
+            "first_audio"} <= set(timeline)
+    assert timeline["first_token"] == pytest.approx(report["ttft_s"], abs=1e-3)
+    assert timeline["first_audio"] == pytest.approx(report["first_audio_s"], abs=1e-3)
 
 
 def test_streamed_equals_non_streamed(engine):

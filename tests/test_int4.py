@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from int4pack_reference import cuda_int4pack_reference
 from torch import nn
 
 from orin import int4
@@ -186,7 +187,7 @@ def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bia
     b = packed["bias"].float() if bias else 0.0
     layer = Int4Linear.from_gptq({k: v.to(device) for k, v in packed.items()}, K, device, dtype)
     assert (layer.in_features, layer.out_features, layer.padded_in_features) == (K, N, pad_in_features(K, g))
-    for shape in [(2, 3, K), (1, K), (17, K)]:  # fresh draws each time
+    for shape in [(2, 3, K), (1, K), (17, K), (2, 40, K)]:  # fresh draws; 80 rows: dequantize + dense GEMM
         x = torch.randn(shape, generator=gen).to(dtype)
         y = layer(x.to(device))
         assert y.shape == (*shape[:-1], N) and y.dtype == dtype and y.device.type == device
@@ -225,6 +226,116 @@ def test_cuda_byte_layout_from_qweight():
     packed = random_gptq_v1(64, 32, 32, generator=_gen(11))
     q = unpack_gptq_v1(packed)[0].int()
     assert torch.equal(int4._cuda_codes_bytes(packed["qweight"]).int(), (q[:, ::2] << 4) | q[:, 1::2])
+
+
+@pytest.mark.parametrize("N,K,tiles", [(8, 32, 2), (16, 128, 8), (24, 128, 4)])
+def test_cuda_layout_reader_inverts_the_kernels_converter(N, K, tiles):
+    codes = torch.randint(0, 16, (N, K), generator=_gen(N + K), dtype=torch.int32)
+    packed = cuda_int4pack_reference(codes, tiles)
+    assert torch.equal(int4._codes_cuda(packed).int(), codes)
+    stacked = torch.stack([packed, cuda_int4pack_reference(15 - codes, tiles)])  # leading (expert) dims
+    assert torch.equal(int4._codes_cuda(stacked).int(), torch.stack([codes, 15 - codes]))
+
+
+@pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (64, 256), (192, 128)])
+def test_cpu_layout_is_read_back_by_probing(N, K):
+    codes = torch.randint(0, 16, (N, K), generator=_gen(N * K), dtype=torch.int32)
+    packed = int4._convert_cpu_codes(codes)
+    assert torch.equal(int4.unpack_codes(packed, N, K).int(), codes)
+    assert torch.equal(int4.unpack_codes(torch.stack([packed, packed]), N, K)[1].int(), codes)
+
+
+@pytest.mark.parametrize("K,N,g", [(200, 48, 128), (512, 64, 512), (256, 64, 32)])
+def test_dequantize_packed_is_the_kernels_weight(K, N, g):
+    packed = random_gptq_v1(K, N, g, generator=_gen(K + N + g))
+    layer = Int4Linear.from_gptq(packed, K, "cpu", torch.float32)
+    w = int4.dequantize_packed(layer.weight_packed, layer.scales_and_zeros, layer.kernel_group_size)
+    assert w.shape == (layer.padded_out_features, layer.padded_in_features) and w.dtype == torch.float32
+    assert torch.allclose(w[:N, :K], layer.dequantized_weight(), atol=1e-6)
+    assert torch.allclose(w[:N, :K], dequantize_gptq_v1(packed, K), atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton INT4 GEMM runs on CUDA")
+@pytest.mark.parametrize("K,N,g,counts", [
+    (256, 96, 128, [37, 0, 5, 16, 1]),  # experts with 0, 1 and block-crossing row counts
+    (538, 72, 128, [70]),  # one expert = a dense layer; K padded to 640, N padded to 80
+    (384, 64, 32, [3, 20]),  # kernel group below the 128-wide super-tile: scales per column
+    (320, 48, 64, [9, 30]),  # 2 inner k-tile pairs: no grouped GEMM (dequantize only)
+    (96, 32, 32, [17]),  # 1 pair
+])
+def test_triton_grouped_int4_mm_and_dequantize_match_tinygemm(K, N, g, counts):
+    if not int4.triton_available():
+        pytest.skip("no Triton")
+    from orin import int4_triton
+
+    gen = _gen(K + N + len(counts))
+    layers = [Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cuda") for _ in counts]
+    packed = torch.stack([layer.weight_packed for layer in layers])
+    sz = torch.stack([layer.scales_and_zeros for layer in layers])
+    x = torch.randn(sum(counts) + 3, layers[0].padded_in_features, generator=gen).bfloat16().cuda()
+    ends = torch.tensor(counts).cumsum(0).cuda()
+    kg = layers[0].kernel_group_size
+    if not int4_triton.supports(packed):
+        with pytest.raises(ValueError):
+            int4_triton.grouped_int4_mm(x, packed, sz, kg, ends)
+    else:
+        y = int4_triton.grouped_int4_mm(x, packed, sz, kg, ends)
+        assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))  # rows past the last group
+        start, refs = 0, []
+        for layer, c in zip(layers, counts, strict=True):
+            if c:  # tinygemm refuses 0 rows
+                refs.append(int4._int4_mm(x[start:start + c].contiguous(), layer.weight_packed, kg,
+                                          layer.scales_and_zeros))
+            start += c
+        assert _rel(y[:sum(counts)], torch.cat(refs)) <= 1e-2
+    w = int4_triton.dequantize(packed, sz, kg)  # the dense path's weights
+    assert torch.allclose(w.float(), int4._dequantize(packed, sz, kg).float(), rtol=1e-2, atol=1e-3)
+    assert _rel(w[0, :N, :K].float(), layers[0].dequantized_weight()) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton INT4 GEMM runs on CUDA")
+def test_int4_experts_fused_prefill_matches_per_expert_path(monkeypatch):
+    if not int4.triton_available():
+        pytest.skip("no Triton")
+
+    hidden, inter = 256, 128  # K a multiple of 128: the Triton kernel's layout
+    flat = _expert_checkpoint(_gen(30), hidden=hidden, inter=inter, g=128)
+    experts = Int4Experts.from_gptq({k: v.cuda() for k, v in flat.items()}, num_experts=E, hidden_dim=hidden,
+                                    intermediate_dim=inter, act_fn=nn.SiLU(), device="cuda")
+    gen = _gen(31)
+    x = torch.randn(37, hidden, generator=gen).bfloat16().cuda()
+    idx, w = _routing(37, gen)
+    idx[3, 1] = E  # an out-of-range index is skipped on both paths
+    idx, w = idx.cuda(), w.bfloat16().cuda()
+    fused = experts(x, idx, w)
+    assert int4.fused_gemm.error is None
+    monkeypatch.setattr(int4.fused_gemm, "enabled", False)
+    assert _rel(fused, experts(x, idx, w)) <= 1e-2
+    monkeypatch.setattr(int4, "GROUPED_MIN_ROWS_PER_EXPERT", 10**9)
+    assert _rel(fused, experts(x, idx, w)) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton INT4 GEMV runs on CUDA")
+@pytest.mark.parametrize("K,N,g", [(256, 96, 128), (384, 64, 32), (320, 48, 64)])
+def test_triton_moe_gemv_matches_tinygemm(K, N, g):
+    if not int4.triton_available():
+        pytest.skip("no Triton")
+    from orin import int4_triton  # noqa: F401 - registers torch.ops.orin.int4_moe_gemv
+
+    gen = _gen(K * N)
+    layers = [Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cuda") for _ in range(6)]
+    packed = torch.stack([layer.weight_packed for layer in layers])
+    sz = torch.stack([layer.scales_and_zeros for layer in layers])
+    kr, kg = layers[0].padded_in_features, layers[0].kernel_group_size
+    sel = torch.tensor([4, 0, 5], device="cuda")
+    shared = torch.randn(1, kr, generator=gen).bfloat16().cuda()
+    each = torch.randn(3, kr, generator=gen).bfloat16().cuda()
+    got_shared = torch.ops.orin.int4_moe_gemv(shared, packed, sz, sel, kg).sum(0)
+    got_each = torch.ops.orin.int4_moe_gemv(each, packed, sz, sel, kg).sum(0)
+    for j, e in enumerate(sel.tolist()):
+        ref = int4._int4_mm(shared, packed[e], kg, sz[e])
+        assert _rel(got_shared[j:j + 1], ref) <= 1e-2
+        assert _rel(got_each[j:j + 1], int4._int4_mm(each[j:j + 1].contiguous(), packed[e], kg, sz[e])) <= 1e-2
 
 
 @pytest.mark.parametrize("K,N,g,bias", [(200, 48, 128, True), (512, 72, 512, False)])
@@ -320,7 +431,9 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol, monkeypatc
         return real_mm(x, w, group, sz)
 
     monkeypatch.setattr(int4, "_int4_mm", spy)
-    for T in (37, 1):  # a prefill-like batch and a single decode token, fresh draws
+    monkeypatch.setattr(int4, "PREFILL_DEQUANT_CHUNK", 3 * 2 * INTER * 64 * 4)  # grouped: 3 experts a chunk
+    for T, grouped in ((37, True), (37, False), (1, False)):  # prefill-like batches and a decode token
+        monkeypatch.setattr(int4, "GROUPED_MIN_ROWS_PER_EXPERT", 1 if grouped else 10**9)
         x = torch.randn(T, H, generator=gen)
         idx, w = _routing(T, gen)
         y = experts(x.to(device, dtype), idx.to(device), w.to(device, dtype))
@@ -331,8 +444,11 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol, monkeypatc
             hf_out = hf.to(torch.float32)(x.to(dtype).float(), idx, w.to(dtype).float())
         assert _rel(y, hf_out) <= tol
         ran = [c for c in calls if c != "down"]
-        assert sorted(ran) == sorted(set(idx.flatten().tolist()))  # only the picked experts ran, once each
-        assert calls.count("down") == len(ran)
+        if grouped:
+            assert calls == []  # no tinygemm: dequantized chunks and grouped GEMMs
+        else:
+            assert sorted(ran) == sorted(set(idx.flatten().tolist()))  # only the picked experts ran, once each
+            assert calls.count("down") == len(ran)
         calls.clear()
 
 
