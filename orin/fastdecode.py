@@ -243,8 +243,11 @@ def _triton_moe(device: torch.device) -> bool:
 
     if device.type != "cuda" or not triton_available():
         return False
-    from . import int4_triton, router_triton  # noqa: F401 - registers torch.ops.orin.softmax_topk
-
+    try:
+        from . import int4_triton, router_triton  # noqa: F401 - registers torch.ops.orin.softmax_topk
+    except ImportError as exc:  # a Triton too old for the kernels: the torch-ops path still decodes
+        log.warning("orin's Triton kernels cannot load (%s); decoding the MoE with torch ops", exc)
+        return False
     return int4_triton.DECODE_GEMV
 
 

@@ -36,8 +36,8 @@ VIDEO_FPS = 2.0
 # workspaces and allocator slack. Measured ~0.5 GiB above the estimate at real dimensions on an H200
 # (BENCHMARKS.md); the margin keeps the budget a hard cap. The CPU engine counts tensors exactly and uses 0.
 RUNTIME_MARGIN = 768 << 20
-# Most bytes of INT4 weights the prefill holds dequantized at once (orin.int4: prefill runs dense and grouped
-# GEMMs on dequantized chunks of experts instead of one tinygemm launch per expert).
+# Most bytes of INT4 expert weights the prefill holds dequantized at once where it cannot run the Triton grouped
+# GEMM (orin.int4: dequantized chunks of experts and torch._grouped_mm); reserved either way.
 PREFILL_DEQUANT_CHUNK = 128 << 20
 
 
