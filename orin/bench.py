@@ -293,6 +293,12 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, b
 # ---------------------------------------------------------------------- checks and profile (CUDA)
 
 
+def _rel(a, b) -> float:
+    """Relative error of `a` against `b` (Frobenius norms, in float32)."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
 def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int = 6) -> dict:
     """Check orin.fastdecode against the HF modules on the loaded model: (1) the concatenated-experts INT4 MoE
     against Int4Experts.forward on random hidden states; (2) the thinker's logits over `steps` forced tokens
@@ -302,10 +308,6 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
     from transformers import DynamicCache
 
     from .fastdecode import CodePredictor, ThinkerDecoder, fused_moe_int4
-
-    def rel(a, b):
-        a, b = a.float(), b.float()
-        return float((a - b).norm() / b.norm())
 
     out = {}
     dev = engine.device
@@ -318,7 +320,7 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
         for _ in range(4):
             h = torch.randn((1, lm.config.hidden_size), generator=gen, device=dev).to(torch.bfloat16)
             _, w, idx = mlp.gate(h)
-            errs.append(rel(fused_moe_int4(mlp.experts, h, idx, w), mlp.experts(h, idx, w)))
+            errs.append(_rel(fused_moe_int4(mlp.experts, h, idx, w), mlp.experts(h, idx, w)))
         out["fused_moe_rel_err"] = max(errs)
         ids = torch.randint(1000, lm.config.vocab_size - 1000, (1, 64), generator=gen, device=dev)
         forced = ids[0, :steps].tolist()
@@ -346,7 +348,7 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
                                     past_key_values=ref_cache, use_cache=True)
             refs.append(model.thinker.lm_head(o.last_hidden_state)[:, -1].float())
         for mode, logits in fast.items():
-            out[f"thinker_{mode}_rel_err"] = max(rel(a, b) for a, b in zip(logits, refs, strict=True))
+            out[f"thinker_{mode}_rel_err"] = max(_rel(a, b) for a, b in zip(logits, refs, strict=True))
             out[f"thinker_{mode}_argmax_agree"] = sum(int(a.argmax() == b.argmax()) for a, b in
                                                       zip(logits, refs, strict=True))
         out["thinker_steps"] = steps
@@ -364,7 +366,7 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
             predictor = CodePredictor(model, dev, graph=graph)
             codes, emb = predictor.run(past, first)
             out[f"code_predictor_{mode}_codes_agree"] = int((codes.view(-1) == pred.sequences.view(-1)).sum())
-            out[f"code_predictor_{mode}_embed_rel_err"] = rel(emb, ref_sum)
+            out[f"code_predictor_{mode}_embed_rel_err"] = _rel(emb, ref_sum)
             if graph:
                 out[f"code_predictor_{mode}_frame"] = _profile_steps(lambda p=predictor: p.run(past, first), 8)
         t0 = time.perf_counter()
@@ -394,10 +396,6 @@ def verify_prefill(engine, rows: int = 467) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e3, y
 
-    def rel(a, b):
-        a, b = a.float(), b.float()
-        return float((a - b).norm() / b.norm())
-
     out = {"rows": rows}
     dev = engine.device
     lm = engine.model.thinker.model.language_model
@@ -415,9 +413,9 @@ def verify_prefill(engine, rows: int = 467) -> dict:
         finally:
             int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS = saved
         out["moe_grouped_ms"], got = timed(lambda: layer.mlp.experts(h, idx, w))
-        out["moe_grouped_rel_err"] = rel(got, ref)
+        out["moe_grouped_rel_err"] = _rel(got, ref)
         out["q_proj_dense_ms"], q_got = timed(lambda: q(h))
-        out["q_proj_dense_rel_err"] = rel(q_got, q_ref)
+        out["q_proj_dense_rel_err"] = _rel(q_got, q_ref)
     out["triton_gemm_error"] = int4.fused_gemm.error
     out["triton_dequant_error"] = int4.dequantize_packed.error
     return out

@@ -136,14 +136,7 @@ def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
         xt = x[t:t + 1].contiguous()
         if spec.triton_moe:
             gu = torch.ops.orin.int4_moe_gemv(xt, gu_all, gu_sz_all, sel, kg_gu).sum(0).to(x.dtype)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
-            act = act * top_w[t].reshape(k, 1).to(act.dtype)
-            if K_dn > inter:
-                act = F.pad(act, (0, K_dn - inter))
-            out = torch.ops.orin.int4_moe_gemv(act, dn_all, dn_sz_all, sel, kg_dn).sum((0, 1)).unsqueeze(0)
-            outs.append(out[:, :H])
-            continue
-        if spec.fused_moe:
+        elif spec.fused_moe:
             gu_w = gu_all.index_select(0, sel)
             gu_w = gu_w.reshape(k * gu_w.shape[1], *gu_w.shape[2:])
             gu_sz = gu_sz_all.transpose(0, 1).index_select(1, sel)
@@ -156,7 +149,9 @@ def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
         act = act * top_w[t].reshape(k, 1).to(act.dtype)
         if K_dn > inter:
             act = F.pad(act, (0, K_dn - inter))
-        if spec.fused_moe:
+        if spec.triton_moe:
+            out = torch.ops.orin.int4_moe_gemv(act, dn_all, dn_sz_all, sel, kg_dn).sum((0, 1)).unsqueeze(0)
+        elif spec.fused_moe:
             dn_w = dn_all.transpose(0, 1).index_select(1, sel)
             dn_w = dn_w.reshape(dn_w.shape[0], k * dn_w.shape[2], *dn_w.shape[3:])
             dn_sz = dn_sz_all.index_select(0, sel)
@@ -243,12 +238,12 @@ def _triton_moe(device: torch.device) -> bool:
 
     if device.type != "cuda" or not triton_available():
         return False
-    try:
-        from . import int4_triton, router_triton  # noqa: F401 - registers torch.ops.orin.softmax_topk
+    try:  # registers torch.ops.orin.int4_moe_gemv and torch.ops.orin.softmax_topk
+        from . import int4_triton, router_triton  # noqa: F401
     except ImportError as exc:  # a Triton too old for the kernels: the torch-ops path still decodes
         log.warning("orin's Triton kernels cannot load (%s); decoding the MoE with torch ops", exc)
         return False
-    return int4_triton.DECODE_GEMV
+    return True
 
 
 def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:

@@ -125,18 +125,13 @@ def _cuda_codes_bytes(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def _convert_cpu_codes(codes: torch.Tensor) -> torch.Tensor:
-    """int32 codes [N, K] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
-    N = codes.shape[0]
-    step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
-    parts = [
-        torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[n0 : n0 + step].contiguous(), 1)
-        for n0 in range(0, N, step)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    """int32 codes [N, K] -> the CPU kernel's uint8 [N, K/2] (its layout is blocked by rows: row blocks convert
+    alone, see _convert_cpu)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
 def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2] (codes unpacked one row block at a time)."""
+    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 8, 1)
     N = qweight.shape[1]
     step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
@@ -542,10 +537,11 @@ class Int4Experts(nn.Module):
 
     Same call as the module it replaces: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
     -> [T, H]``, same math (``down(act(gate(x)) * up(x)) * weight`` summed over the chosen experts; an index equal to
-    ``num_experts`` is skipped like HF). Tokens are grouped per expert with one sort and one host sync (the
-    per-expert token counts); gate and up are one fused matmul. A few rows (decode) run tinygemm for each expert
-    the router picked; from ``GROUPED_MIN_ROWS_PER_EXPERT`` rows per expert (prefill) the experts are
-    dequantized a chunk at a time and each chunk's token groups run as one grouped GEMM.
+    ``num_experts`` is skipped like HF). Tokens are grouped per expert with one sort; gate and up are one fused
+    matmul. A few rows (decode) run tinygemm for each expert the router picked, after one host sync for the
+    per-expert counts. From ``GROUPED_MIN_ROWS_PER_EXPERT`` rows per expert (prefill) all rows run as one
+    grouped GEMM per projection: the Triton kernel on CUDA (no host sync), else dequantized chunks of experts
+    and ``torch._grouped_mm``.
     """
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module) -> None:

@@ -37,9 +37,6 @@ GEMM_BLOCK_N = 128
 DEQUANT_BLOCK_N = 32
 GEMV_BLOCK_N = 32
 GEMV_SUPER_TILES = 4  # super-tiles (of K) per GEMV program: the rest of K goes to other programs
-# orin.fastdecode's MoE decode uses moe_gemv when True; else the chosen experts' packed tiles are gathered and
-# run through tinygemm (the benchmark compares both).
-DECODE_GEMV = True
 
 
 @triton.jit
