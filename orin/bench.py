@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ TARGETS = {
     "peak_time_sliced": ("<=", 18 * GiB, "peak time-sliced <= 18 GiB"),
     "decode_tokens_per_s": (">=", 150.0, "decode >= 150 tokens/s"),
     "decode_speedup_vs_hf": (">=", 12.0, "decode >= 12x HF BF16"),
-    "ttft_vs_hf": ("<=", 1.0, "TTFT no worse than HF BF16"),
+    "ttft_vs_hf": ("<=", 1.0, "TTFT no worse than HF BF16 (median of 4 requests each)"),
     "first_audio_s": ("<=", 0.300, "first audio packet <= 300 ms"),
     "energy_vs_hf": ("<=", 0.5, "energy per request <= 50 % of HF BF16"),
 }
@@ -224,8 +225,7 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, 
             # TTFT again on short requests (no speech): the measured request's value is one sample.
             ttfts = [_stream(engine, _request(cfg, inputs, max_new_tokens=2, speech=False))["ttft_s"]
                      for _ in range(3)]
-            summary["ttft_repeats_s"] = ttfts
-            summary["ttft_repeat_min_s"] = min(ttfts)
+            summary.update(_ttft_stats(summary["ttft_s"], ttfts))
             record(f"run:orin_{mode}", summary)
             log_fn(f"[{mode}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
                    f"thinker {summary['decode_tokens_per_s'] or 0:.1f} tok/s, talker "
@@ -238,7 +238,8 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, 
                 record("verify", {"error": f"{type(exc).__name__}: {exc}"[:1000]})
         if device.type == "cuda":
             try:
-                record("verify_prefill", verify_prefill(engine))
+                prepared = engine._prepare(_request(cfg, inputs)).inputs
+                record("verify_prefill", verify_prefill(engine, prompt_inputs=prepared))
             except Exception as exc:  # noqa: BLE001 - a failed check is a finding, not a reason to stop
                 record("verify_prefill", {"error": f"{type(exc).__name__}: {exc}"[:1000]})
         if cfg.profile and device.type == "cuda":
@@ -299,11 +300,11 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int = 6) -> dict:
+def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int = 6, prefill_rows: int = 467) -> dict:
     """Check orin.fastdecode against the HF modules on the loaded model: (1) the concatenated-experts INT4 MoE
-    against Int4Experts.forward on random hidden states; (2) the thinker's logits over `steps` forced tokens
-    after a random prompt, per fast mode (static = no graph, graph, compiled) against the HF step with a dynamic
-    cache; (3) the code predictor's 15 codes and embedding sum against HF generate(), greedy."""
+    against Int4Experts.forward on random hidden states; (2) per fast mode (static = no graph, graph, compiled),
+    the prefill's last logits on a random prompt and the logits over `steps` forced tokens after it, against
+    the HF prefill and step with a dynamic cache, and the prefill's milliseconds at `prefill_rows` tokens; (3) the code predictor's 15 codes and embedding sum against HF generate(), greedy."""
     import torch
     from transformers import DynamicCache
 
@@ -322,21 +323,35 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
             _, w, idx = mlp.gate(h)
             errs.append(_rel(fused_moe_int4(mlp.experts, h, idx, w), mlp.experts(h, idx, w)))
         out["fused_moe_rel_err"] = max(errs)
-        ids = torch.randint(1000, lm.config.vocab_size - 1000, (1, 64), generator=gen, device=dev)
+        # 61 tokens: the graph prefill pads them to its 64-row bucket
+        ids = torch.randint(1000, lm.config.vocab_size - 1000, (1, 61), generator=gen, device=dev)
         forced = ids[0, :steps].tolist()
         ref_cache = DynamicCache(config=lm.config)
         model.thinker.model.rope_deltas = None
-        model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache,
-                            use_cache=True)
+        ref = model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache,
+                                  use_cache=True)
+        ref_prefill = model.thinker.lm_head(ref.last_hidden_state[:, -1]).float()
+        embeds, positions, _ = engine._thinker_inputs({"attention_mask": torch.ones_like(ids)}, ids, None, None)
         fast = {}
         for mode, graph, compiled in (("static", False, False), ("graph", True, False), ("compiled", True, True)):
             if mode == "compiled" and mode not in modes:
                 continue
-            cache = DynamicCache(config=lm.config)
-            model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                use_cache=True)
-            dec = ThinkerDecoder(model, dev, graph=graph, compile=compiled).start(cache, ids.shape[1] + steps + 24)
+            dec = ThinkerDecoder(model, dev, graph=graph, compile=compiled)
+            pre = dec.prefill(embeds[0], positions, ids.shape[1] + steps + 24)
+            out[f"prefill_{mode}_rel_err"] = _rel(pre.logits.float(), ref_prefill)
+            out[f"prefill_{mode}_argmax_agree"] = bool(pre.logits.argmax() == ref_prefill.argmax())
             fast[mode] = [dec.step(t).float().clone() for t in forced]
+            if not compiled:  # the prefill at the standard request's length (its graph is never compiled)
+                long_ids = torch.randint(1000, lm.config.vocab_size - 1000, (1, prefill_rows), generator=gen,
+                                         device=dev)
+                e, p, _ = engine._thinker_inputs({"attention_mask": torch.ones_like(long_ids)}, long_ids, None, None)
+                dec.prefill(e[0], p, prefill_rows + 8)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    dec.prefill(e[0], p, prefill_rows + 8)
+                torch.cuda.synchronize()
+                out[f"prefill_{mode}_{prefill_rows}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
             if dec.runner.compile_error:
                 out[f"{mode}_compile_error"] = dec.runner.compile_error
             if graph:
@@ -379,10 +394,11 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
     return out
 
 
-def verify_prefill(engine, rows: int = 467) -> dict:
+def verify_prefill(engine, rows: int = 467, prompt_inputs: dict | None = None) -> dict:
     """The prefill's INT4 paths on the loaded model (orin.int4): one thinker MoE layer's experts and its q_proj
     over `rows` random rows, the grouped (Triton) / dense path against tinygemm per expert (the decode path),
-    relative error and milliseconds of each."""
+    relative error and milliseconds of each; with `prompt_inputs` (a prepared request's tensors), the audio
+    and vision encoders' milliseconds."""
     import torch
 
     from . import int4
@@ -416,6 +432,13 @@ def verify_prefill(engine, rows: int = 467) -> dict:
         out["moe_grouped_rel_err"] = _rel(got, ref)
         out["q_proj_dense_ms"], q_got = timed(lambda: q(h))
         out["q_proj_dense_rel_err"] = _rel(q_got, q_ref)
+        if prompt_inputs is not None:  # the encoders as the engine calls them, each call synchronised
+            tm = engine.model.thinker.model
+            x = {k: (v.to(dev) if hasattr(v, "to") else v) for k, v in prompt_inputs.items()}
+            out["audio_encoder_ms"], _ = timed(lambda: tm.get_audio_features(
+                x["input_features"].to(engine.dtype), x["feature_attention_mask"], return_dict=True), 5)
+            out["vision_encoder_ms"], _ = timed(lambda: tm.get_image_features(
+                x["pixel_values"].to(engine.dtype), x["image_grid_thw"], return_dict=True), 5)
     out["triton_gemm_error"] = int4.fused_gemm.error
     out["triton_dequant_error"] = int4.dequantize_packed.error
     return out
@@ -423,8 +446,6 @@ def verify_prefill(engine, rows: int = 467) -> dict:
 
 def _profile_steps(step, n: int) -> dict:
     """Median wall time of `step` (which synchronises) and its top kernels under torch.profiler."""
-    import statistics
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -617,8 +638,7 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
         best = min(attempts, key=lambda a: a["total_s"])
         out.update(best)
         out["attempts"] = attempts
-        out["ttft_repeats_s"] = ttfts
-        out["ttft_repeat_min_s"] = min(ttfts)
+        out.update(_ttft_stats(out["ttft_s"], ttfts))
         log_fn(f"[hf] ttft {out['ttft_s'] or 0:.3f} s, audio at {out['first_audio_s'] or 0:.1f} s, thinker "
                f"{out['decode_tokens_per_s'] or 0:.1f} tok/s, peak {format_bytes(out['peak_bytes'] or 0)}, "
                f"{out['energy_j'] or 0:.0f} J (best of {len(attempts)}: "
@@ -635,9 +655,12 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn) -> dict:
 
 # Jetson AGX Orin 64 GB: LPDDR5 shared by CPU and GPU; dense FP16 tensor rate of the GPU (half its 170 sparse
 # INT8 TOPS, halved again for FP16); the fraction of each a decode/prefill kernel mix reaches (assumed); and how
-# much slower its Cortex-A78AE host issues the launch-bound eager work than this x86 host (assumed).
+# much slower its Cortex-A78AE host issues the launch-bound eager work than this x86 host (assumed); and how
+# much slower its GPU runs device-bound work that is neither at the bandwidth nor at the tensor roof, such as
+# the graph-replayed INT4 prefill (dequantization in registers): SMs x clock, 16 x 1.3 GHz against an H200's
+# 132 x 1.98 GHz (the measuring GPU's; assumed to scale alike).
 ORIN = {"bandwidth": 204.8e9, "fp16_tensor_flops": 42.5e12, "efficiency_bw": 0.7, "efficiency_flops": 0.4,
-        "host_slowdown": 2.5}
+        "host_slowdown": 2.5, "gpu_slowdown": (132 * 1.98) / (16 * 1.3)}
 
 
 def active_bytes(config) -> dict:
@@ -674,7 +697,8 @@ def active_bytes(config) -> dict:
 def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_frames: int,
                     measured: dict) -> dict:
     """Decode and prefill on the AGX Orin from bytes moved and FLOPs per stage over its bandwidth and compute
-    (ORIN), plus the launch-bound share measured here scaled by the host slowdown. A projection, not a
+    (ORIN), and from the stages measured here: the eager encoders scaled by the host slowdown, the
+    graph-replayed prefill by the GPU slowdown. A projection, not a
     measurement: `measured` is the fastest all-resident run of this benchmark."""
     from .modelcfg import load_config
 
@@ -699,11 +723,13 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
                                                                          "vision_encoder"))
     prefill_floor = max(prefill_bytes / bw, prefill_flops / flops)
     stages = measured.get("stages_s") or {}
-    launch_bound = ((stages.get("encode") or 0) + (stages.get("thinker_prefill") or 0)) * ORIN["host_slowdown"]
+    # The encoders run eagerly, host-bound; the thinker prefill is replayed from a CUDA graph, device-bound.
+    launch_bound = (stages.get("encode") or 0) * ORIN["host_slowdown"]
+    prefill_scaled = (stages.get("thinker_prefill") or 0) * ORIN["gpu_slowdown"]
     token_s = token_bytes / bw
     frame_s = frame_bytes / bw
     first_chunk = C.CODE2WAV_FIRST_CHUNK
-    ttft = max(prefill_floor, launch_bound)
+    ttft = max(prefill_floor, launch_bound + prefill_scaled)
     return {
         "assumptions": dict(ORIN),
         "active_bytes": act,
@@ -715,7 +741,8 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
         "prefill_flops": prefill_flops,
         "prefill_bytes": prefill_bytes,
         "prefill_floor_s": prefill_floor,
-        "prefill_launch_bound_s": launch_bound,
+        "encode_launch_bound_s": launch_bound,
+        "prefill_device_scaled_s": prefill_scaled,
         "ttft_s": ttft,
         "first_audio_s": ttft + (first_chunk + 1) * token_s + first_chunk * frame_s,
         "peak_bytes_allocator": measured.get("peak_bytes"),
@@ -735,6 +762,14 @@ class BenchResult:
     def to_json(self) -> dict:
         return {"meta": self.meta, "runs": self.runs, "targets": evaluate_targets(self.runs), **self.extra,
                 "errors": self.errors}
+
+
+def _ttft_stats(first: float | None, repeats: list[float]) -> dict:
+    """TTFT samples of one side: the standard request's and the short requests' (same prompt). Their median is
+    what the target compares: one request's TTFT moves by tens of ms with the host (HF's: 0.10-0.24 s)."""
+    samples = ([first] if first is not None else []) + list(repeats)
+    return {"ttft_repeats_s": list(repeats), "ttft_repeat_min_s": min(repeats) if repeats else None,
+            "ttft_median_s": statistics.median(samples) if samples else None}
 
 
 def best_run(runs: dict) -> dict:
@@ -758,7 +793,7 @@ def evaluate_targets(runs: dict) -> list[dict]:
         "peak_time_sliced": sliced.get("peak_bytes"),
         "decode_tokens_per_s": best.get("decode_tokens_per_s"),
         "decode_speedup_vs_hf": ratio(best.get("decode_tokens_per_s"), hf.get("decode_tokens_per_s")),
-        "ttft_vs_hf": ratio(best.get("ttft_s"), hf.get("ttft_s")),
+        "ttft_vs_hf": ratio(best.get("ttft_median_s"), hf.get("ttft_median_s")),
         "first_audio_s": best.get("first_audio_s"),
         "energy_vs_hf": ratio(best.get("energy_j"), hf.get("energy_j")),
     }
@@ -877,6 +912,7 @@ _ROWS = (
     ("peak GPU memory", "peak_bytes", "bytes"),
     ("time to first text token", "ttft_s", "s"),
     ("TTFT, short requests (min of 3)", "ttft_repeat_min_s", "s"),
+    ("TTFT, median of all 4", "ttft_median_s", "s"),
     ("time to first audio packet", "first_audio_s", "s"),
     ("thinker decode tokens/s", "decode_tokens_per_s", "rate"),
     ("decode tokens/s incl. talker", "decode_e2e_tokens_per_s", "rate"),

@@ -11,6 +11,7 @@ tokens, same codes, same audio: the streaming is a schedule, not different math)
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -172,6 +173,7 @@ class Engine:
             decode = "compiled" if self.device.type == "cuda" else "eager"
         self.decode = decode  # may be switched between requests (the benchmark compares the modes)
         self._decoders: dict = {}
+        self._heap_frozen = False
         self._embed_cache: dict = {}
 
     # ------------------------------------------------------------------ public API
@@ -179,6 +181,9 @@ class Engine:
     def close(self) -> None:
         self.meter.stop()
         self.loader.close()
+        if self._heap_frozen:  # what _settle_heap froze is collectable again (the engine's own cycles included)
+            gc.unfreeze()
+            self._heap_frozen = False
 
     def memory(self) -> dict:
         return {"resident_bytes": self.loader.resident_bytes(), "allocated_bytes": self.loader.memory.current(),
@@ -215,7 +220,22 @@ class Engine:
                 except Cancelled:
                     log.info("request cancelled by the client after %d tokens", len(run.tokens))
             self.last_frames = list(run.frames)  # the codec frames of the last request (tests, debugging)
-            yield Done(self._report(run, prompt, verdict, measurement.report))
+            report = self._report(run, prompt, verdict, measurement.report)
+            self._settle_heap()
+            yield Done(report)
+
+    def _settle_heap(self) -> None:
+        """Once, after the first request that compiled or captured decoders (the warm-up): collect, then move
+        what is left (dynamo's and inductor's graphs, guards and kernels: millions of objects) to the permanent
+        generation. Full collections otherwise walk all of it at random points of later requests (compiled
+        mode's TTFT varied by 10-20 ms where graph mode's did not, BENCHMARKS.md). Only once: a frozen object
+        that later becomes part of a garbage cycle is not collected until close() unfreezes."""
+        if self._heap_frozen:
+            return
+        if any(dec.runner.captures or getattr(dec, "prefill_captures", 0) for dec in self._decoders.values()):
+            gc.collect()
+            gc.freeze()
+            self._heap_frozen = True
 
     # ------------------------------------------------------------------ preparation
 
@@ -251,8 +271,11 @@ class Engine:
                     raise InputError(f"unsupported content part type {kind!r}: use text, image or audio")
             messages.append({"role": msg["role"], "content": parts})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # On CUDA the Whisper features of the audio (an STFT of up to 30 s) are computed on the GPU: ~1 ms
+        # instead of ~5-10 ms of host time ahead of everything else in the request.
+        extra = {"device": str(self.device)} if audios and self.device.type == "cuda" else {}
         inputs = self.processor(text=[text], images=images or None, audio=audios or None, return_tensors="pt",
-                                padding=True)
+                                padding=True, **extra)
         ids = inputs["input_ids"]
         th = self.config.thinker_config
         return _Prompt(
@@ -290,6 +313,9 @@ class Engine:
         margin = RUNTIME_MARGIN if self.device.type == "cuda" else 0
         verdict = decide(resident, kv, act, self._needed(req, prompt), budget, margin)
         require_fit(verdict)
+        # Prefill graphs only where the weights stay put between requests: time-sliced, each request would
+        # capture anew (four prefills' work for one replay) and the graph's memory pool is not in the budget.
+        self._keeps_weights = verdict.all_resident
         self._kv, self._act, self._resident_est, self._margin = kv, act, resident, margin
         return verdict
 
@@ -337,9 +363,11 @@ class Engine:
                     audio_feats = thinker.model.get_audio_features(
                         inputs["input_features"].to(self.dtype), inputs["feature_attention_mask"], return_dict=True,
                     ).last_hidden_state
+                    run.mark("audio_encoded")
                 if "vision_encoder" in comps:
                     image_out = thinker.model.get_image_features(
                         inputs["pixel_values"].to(self.dtype), inputs["image_grid_thw"], return_dict=True)
+                    run.mark("image_encoded")
             self._check(run)
         run.mark("encoded")
         self._stage(think_comps, next_comps=speak_after[0] if speak_after else ())
@@ -348,11 +376,11 @@ class Engine:
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
         ids = inputs["input_ids"]
         with self.meter.stage("thinker_prefill"):
-            cache, hidden_states, logits = self._thinker_prefill(inputs, ids, audio_feats, image_out, req.speech)
+            merged = self._thinker_inputs(inputs, ids, audio_feats, image_out)
+            run.mark("merged")
+            cache, hidden_states, logits = self._thinker_prefill(merged, inputs["attention_mask"], req.speech,
+                                                                 int(ids.shape[1]) + req.max_new_tokens)
         run.mark("prefilled")
-        if self.decode != "eager" and (fast := self._fast("thinker")).supported():
-            cache = fast.start(cache, int(ids.shape[1]) + req.max_new_tokens)
-            run.mark("decoder_started")
         token = self._sample(logits, req.temperature, req.top_p, gen)
         run.ttft = time.perf_counter() - run.t0
         run.mark("first_token")
@@ -414,27 +442,58 @@ class Engine:
 
     # ------------------------------------------------------------------ thinker
 
-    def _thinker_prefill(self, inputs, ids, audio_feats, image_out, want_hidden: bool):
+    def _thinker_inputs(self, inputs, ids, audio_feats, image_out):
+        """The thinker's input embeddings with the audio and image features merged, its M-RoPE positions
+        (setting the rope deltas decoding continues from) and the image's deepstack features, as
+        Qwen3OmniMoeThinkerModel.forward builds them before its language model."""
+        import torch
+
+        tm = self.model.thinker.model
+        embeds = tm.get_input_embeddings()(ids)
+        if audio_feats is not None:
+            _, _, audio_mask = tm.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(audio_mask, audio_feats.to(embeds.dtype))
+        visual = None
+        if image_out is not None:
+            image_embeds = torch.cat(image_out.pooler_output, dim=0).to(embeds.dtype)
+            image_mask, _, _ = tm.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=image_embeds)
+            embeds = embeds.masked_scatter(image_mask, image_embeds)
+            visual = (image_mask[..., 0], [torch.cat(f, dim=0) for f in image_out.deepstack_features])
+        fam = inputs.get("feature_attention_mask")
+        tm.rope_deltas = None
+        position_ids = tm.compute_3d_position_ids(
+            input_ids=ids, image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=None, inputs_embeds=embeds,
+            attention_mask=inputs["attention_mask"], past_key_values=None,
+            audio_feature_lengths=fam.sum(dim=1) if fam is not None else None)
+        return embeds, position_ids, visual
+
+    def _thinker_prefill(self, merged, attention_mask, want_hidden: bool, max_len: int):
+        """The prompt (`merged`: what _thinker_inputs built) through the thinker: (cache, hidden states
+        {HF index: [1, T, H]} the talker reads, last position's logits). The cache is the static decoder
+        (orin.fastdecode, which the prefill fills directly) or, in eager mode, an HF DynamicCache."""
         from transformers import DynamicCache
 
+        embeds, position_ids, visual = merged
+        record = (0, self.config.talker_config.accept_hidden_layer) if want_hidden else ()
+        if self.decode != "eager" and (fast := self._fast("thinker")).supported():
+            # always recorded (two [T, H] copies): text-only and speech requests then share a prefill graph
+            accept = self.config.talker_config.accept_hidden_layer
+            out = fast.prefill(embeds[0], position_ids, max_len, record=(0, accept), visual=visual,
+                               graph=self._keeps_weights)
+            self._track_kv(fast)
+            return fast, out.states, out.logits
         thinker = self.model.thinker
-        embeds = thinker.model.get_input_embeddings()(ids)
-        if audio_feats is not None:
-            _, _, audio_mask = thinker.model.get_placeholder_mask(ids, inputs_embeds=embeds)
-            embeds = embeds.masked_scatter(audio_mask, audio_feats.to(embeds.dtype))
         cache = DynamicCache(config=self.config.thinker_config.text_config)
-        kwargs = {}
-        if image_out is not None:
-            kwargs["mm_encoder_outputs"] = {"image": image_out}
-            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
-        out = thinker.model(
-            input_ids=ids, inputs_embeds=embeds, attention_mask=inputs["attention_mask"],
-            feature_attention_mask=inputs.get("feature_attention_mask"), past_key_values=cache, use_cache=True,
-            output_hidden_states=want_hidden, **kwargs,
+        out = thinker.model.language_model(
+            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, output_hidden_states=want_hidden,
+            visual_pos_masks=None if visual is None else visual[0],
+            deepstack_visual_embeds=None if visual is None else visual[1],
         )
         self._track_kv(cache)
         logits = thinker.lm_head(out.last_hidden_state[:, -1:])
-        return cache, out.hidden_states, logits[:, -1]
+        states = {i: out.hidden_states[i] for i in record}
+        return cache, states, logits[:, -1]
 
     def _fast(self, kind: str):
         """The orin.fastdecode decoder of `kind` (thinker, talker, code_predictor) for the current mode."""
@@ -487,6 +546,9 @@ class Engine:
         total = 0
         for cache in caches:
             if cache is None:
+                continue
+            if hasattr(cache, "cache_bytes"):  # orin.fastdecode.StaticDecoder
+                total += cache.cache_bytes()
                 continue
             for layer in getattr(cache, "layers", []):
                 for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -644,13 +706,20 @@ class _Talker:
             kwargs["image_grid_thw"] = self.inputs["image_grid_thw"]
         if "feature_attention_mask" in self.inputs:
             kwargs["audio_feature_lengths"] = self.inputs["feature_attention_mask"].sum(dim=1)
-        self.cache = DynamicCache(config=tk.text_config)
         model.talker.rope_deltas = None
-        out = model.talker(inputs_embeds=embeds, talker_input_ids=talker_ids, attention_mask=mask,
-                           past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kwargs)
-        self._after_forward(out)
         if self.e.decode != "eager" and (dec := self.e._fast("talker")).supported():
-            self.fast = dec.start(self.cache, int(embeds.shape[1]) + self.run.req.frame_cap + 2)
+            position_ids = model.talker.compute_3d_position_ids(
+                embeds, talker_input_ids=talker_ids, attention_mask=mask, past_key_values=None,
+                image_grid_thw=kwargs.get("image_grid_thw"), audio_feature_lengths=kwargs.get("audio_feature_lengths"))
+            res = dec.prefill(embeds[0], position_ids, int(embeds.shape[1]) + self.run.req.frame_cap + 2,
+                              graph=self.e._keeps_weights)
+            self.fast = dec
+            out = SimpleNamespace(logits=res.logits.unsqueeze(1), hidden_states=((res.hidden,),))
+        else:
+            self.cache = DynamicCache(config=tk.text_config)
+            out = model.talker(inputs_embeds=embeds, talker_input_ids=talker_ids, attention_mask=mask,
+                               past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kwargs)
+        self._after_forward(out)
 
     def _after_forward(self, out) -> None:
         self.past_hidden = out.hidden_states[0][-1][:, -1:]
@@ -660,7 +729,7 @@ class _Talker:
         if code == eos or len(self.generated) > self.run.req.frame_cap:
             self.finished = True
         self.next_code = code
-        self.e._track_kv(self.cache)
+        self.e._track_kv(self.cache if self.fast is None else self.fast)
 
     def _choose(self, logits) -> int:
         import torch

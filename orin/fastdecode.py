@@ -1,5 +1,5 @@
-"""Decoding with static KV caches, one position per call, captured in CUDA graphs: the thinker, the talker and
-the talker's code predictor.
+"""Prefill and decoding with static KV caches, one position per decode call, captured in CUDA graphs: the
+thinker, the talker and the talker's code predictor.
 
 Decoding one token through the HF modules with a dynamic cache costs thousands of kernel launches and a host
 sync per MoE layer (the per-expert token counts); at batch 1 the GPU waits on Python. Here a decoder layer is one
@@ -17,6 +17,12 @@ nothing depends on host values:
   lie (no 19 MB gather per layer), one launch for gate/up and one for down. On CPU the k experts run one by
   one (same math, no host sync either).
 
+The prompt goes through the same layer function (`StaticDecoder.prefill`): causal attention over the new keys,
+which are written straight into the static caches; the MoE through Int4Experts' grouped path (one Triton launch
+per projection, no host sync); dense INT4 layers dequantized for one cuBLAS GEMM. With graphs enabled and the
+weights staying put, the whole prefill is replayed from a CUDA graph per prompt-length bucket: eager, its ~5,000
+launches made the host, not the GPU, set the time to first token.
+
 On CUDA each decoder is captured once per weight placement and replayed per position (a placement change, the
 component swapped out and back in, is detected from the tensors' addresses and recaptured). With `compile=True`
 the layer function goes through torch.compile first (one compilation per layer shape, shared by all layers),
@@ -26,12 +32,18 @@ fusing the elementwise work between the matmuls; if that fails the plain functio
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
+
 log = logging.getLogger("orin.fastdecode")
+
+PREFILL_BUCKET = 64  # graph prefill: prompts padded to a multiple of this, one capture per bucket
+PREFILL_GRAPHS = 8  # captured prefill buckets kept per decoder, least recently used dropped first
 
 
 # ---------------------------------------------------------------------- the layer, as a pure function
@@ -81,13 +93,18 @@ def _int4_mm(x, w, group, sz):
 
 
 def _linear(x, spec: LinearSpec, w: tuple):
-    """x [T, k] -> [T, n]; w is (weight[, bias]) for dense, (packed, scales_and_zeros[, bias]) for INT4."""
+    """x [T, k] -> [T, n]; w is (weight[, bias]) for dense, (packed, scales_and_zeros[, bias]) for INT4. Prefill
+    rows go through the dequantized weight and one dense GEMM (from orin.int4.GRAPH_DEQUANT_MIN_ROWS: the
+    prefill is meant to run in a CUDA graph, where the dequantizer's launch costs no host time)."""
     if not spec.int4:
         return F.linear(x, w[0], w[1] if spec.bias else None)
     x = x.to(w[1].dtype)
     if spec.k_run > spec.k:
         x = F.pad(x, (0, spec.k_run - spec.k))
-    y = _int4_mm(x.contiguous(), w[0], spec.group, w[1])
+    if x.shape[0] >= GRAPH_DEQUANT_MIN_ROWS:
+        y = F.linear(x, dequantize_packed(w[0], w[1], spec.group))
+    else:
+        y = _int4_mm(x.contiguous(), w[0], spec.group, w[1])
     if spec.n_pad > spec.n:
         y = y[:, :spec.n]
     if spec.bias:
@@ -165,9 +182,16 @@ def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
 
 
 def _moe(h, spec: LayerSpec, w: dict):
-    """Routed experts (+ the gated shared expert, as the talker has) for T tokens."""
+    """Routed experts (+ the gated shared expert, as the talker has) for T tokens. A prefill's weights carry the
+    Int4Experts module: its grouped path (one Triton launch per projection on CUDA, no host sync) is the
+    prefill's MoE, the same one the HF modules call."""
     top_w, top_i = _route(h, spec, w)
-    y = _experts(h, spec, w["experts"], top_w, top_i)
+    if "valid_rows" in w:  # an expert id past the last is no expert: Int4Experts skips those rows
+        top_i = torch.where(w["valid_rows"], top_i, w["router"].shape[0])
+    if "experts_module" in w:
+        y = w["experts_module"](h, top_i, top_w)
+    else:
+        y = _experts(h, spec, w["experts"], top_w, top_i)
     if spec.mlp == "moe+shared":
         g, u, d = spec.dense
         shared = _linear(F.silu(_linear(h, g, w["shared_gate"])) * _linear(h, u, w["shared_up"]), d,
@@ -178,7 +202,8 @@ def _moe(h, spec: LayerSpec, w: dict):
 
 def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec):
     """One decoder layer for T positions. x [T, H]; cos/sin [T, head_dim]; pos [T] cache positions; mask
-    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group); the caches are updated in
+    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group), or None for a prefill from
+    position 0 (causal over the T new keys, the cache's older contents unread); the caches are updated in
     place. Returns the layer's output [T, H]."""
     T = x.shape[0]
     hd, kv = spec.head_dim, spec.kv_heads
@@ -190,9 +215,14 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     k_cache.index_copy_(2, pos, k.unsqueeze(0))
     v_cache.index_copy_(2, pos, v.unsqueeze(0))
-    qg = q.reshape(1, kv, rep * T, hd)
-    att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)
-    att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
+    if mask is None:
+        att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                             scale=spec.scaling, enable_gqa=True)
+        att = att[0].transpose(0, 1).reshape(T, spec.heads * hd)
+    else:
+        qg = q.reshape(1, kv, rep * T, hd)
+        att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)
+        att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
     x = x + _linear(att, spec.o, w["o"])
     h = _rms(x, w["ln2"], spec.eps)
     if spec.mlp == "dense":
@@ -285,8 +315,10 @@ class _Runner:
     """Captures a zero-argument step function in a CUDA graph (re-captured when the weights move), or calls
     it eagerly off CUDA; optionally compiles the layer function first."""
 
-    def __init__(self, device: torch.device, graph: bool, compile: bool):
+    def __init__(self, device: torch.device, graph: bool, compile: bool, pool=None):
         self.device = device
+        self.pool = pool  # a memory pool shared with other graphs that never run at the same time
+        self.inputs: dict = {}  # a prefill graph's static input buffers
         self.graph_enabled = graph and device.type == "cuda"
         self.compile = compile
         self.layer_fn = decoder_layer
@@ -351,7 +383,7 @@ class _Runner:
                 fn(layer)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             out = fn(layer)
         return graph, out
 
@@ -377,9 +409,20 @@ class _GraphToggle:
         self.runner.graph_enabled = value and self.device.type == "cuda"
 
 
+@dataclass
+class Prefilled:
+    """What a prefill gives the engine: the last position's logits [1, vocab] and normed hidden state
+    [1, 1, H], and the recorded hidden states {HF index: [1, T, H]}."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    states: dict
+
+
 class StaticDecoder(_GraphToggle):
-    """Static-cache decoding of one sequence after an HF prefill: `start(cache, max_len)`, then `step(token)`
-    (thinker: returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
+    """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)` (or `start(cache, max_len)`
+    after an HF prefill), then `step(token)` (thinker: returns logits [1, vocab]) or `step_embeds(embeds)`
+    (talker: returns (logits, last hidden))."""
 
     def __init__(self, text_model, head, rope_owner, device: torch.device, graph: bool | None = None,
                  compile: bool = False):
@@ -391,10 +434,18 @@ class StaticDecoder(_GraphToggle):
         self.length = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self._prefill_graphs: OrderedDict[tuple, _Runner] = OrderedDict()
+        # One memory pool for all prefill buckets (they never run at once and their outputs are copied out),
+        # so the buckets kept cost about one prefill's activations, not one each.
+        self._prefill_pool = None
 
     @property
     def captures(self) -> int:
         return self.runner.captures
+
+    @property
+    def prefill_captures(self) -> int:
+        return sum(entry.captures for entry in self._prefill_graphs.values())
 
     def supported(self) -> bool:
         return all(supported(layer) for layer in self.model.layers)
@@ -412,11 +463,19 @@ class StaticDecoder(_GraphToggle):
         self.delta = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.max_len = max_len
         self.runner.release()
+        self._release_prefill_graphs()
+
+    def _release_prefill_graphs(self) -> None:
+        for entry in self._prefill_graphs.values():
+            entry.release()
+        self._prefill_graphs.clear()
+        self._prefill_pool = None
 
     def release(self) -> None:
-        """Drop the cache buffers and the graph (their memory goes back to the allocator)."""
+        """Drop the cache buffers and the graphs (their memory goes back to the allocator)."""
         self.k_cache, self.v_cache, self.max_len = [], [], 0
         self.runner.release()
+        self._release_prefill_graphs()
 
     def start(self, cache, max_len: int) -> StaticDecoder:
         """Take over an HF DynamicCache after the prefill (keys/values copied into the static buffers)."""
@@ -437,6 +496,105 @@ class StaticDecoder(_GraphToggle):
     def _weights(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + [b for b in self.model.buffers() if b is not None] + \
             list(self.head.parameters())
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, embeds: torch.Tensor, position_ids: torch.Tensor, max_len: int, record: tuple[int, ...] = (),
+                visual: tuple | None = None, bucket: int | None = None, graph: bool = True) -> Prefilled:
+        """The prompt through decoder_layer from position 0, its keys and values written into the static caches
+        (no DynamicCache, no copy). embeds [T, H] (multimodal features already merged); position_ids [3, 1, T]
+        (M-RoPE, as the HF model computes them; `rope_owner.rope_deltas` set by that computation); record: the
+        HF hidden-state indices to return (0 = the embeddings, i = layer i-1's output before any deepstack);
+        visual: (visual_pos_masks [1, T], deepstack features [n, H] for the first layers) for an image.
+
+        With graphs enabled (CUDA, and `graph`: the caller's word that the weights stay where they are, so a
+        capture is replayed more than once) the prompt is padded to a multiple of `bucket` (PREFILL_BUCKET) and
+        the whole prefill replayed from a CUDA graph captured once per bucket: the eager prefill is ~5,000
+        kernel launches, and the host, not the GPU, sets its time. Padding rows come after the prompt, so
+        causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
+        masks them until it overwrites them."""
+        T = int(embeds.shape[0])
+        graph = graph and self.runner.graph_enabled and \
+            self._prefill_capturable(embeds.new_empty((T, embeds.shape[1])))
+        bucket = bucket or (PREFILL_BUCKET if graph else 1)
+        Tb = -(-T // bucket) * bucket
+        if max(max_len, Tb) > self.max_len or not self.k_cache:
+            self._alloc(-(-max(max_len, Tb, T + 1) // 64) * 64)
+        m = self.model
+        cos, sin = m.rotary_emb(embeds.unsqueeze(0), position_ids)
+        inputs = {"x": embeds, "cos": cos[0], "sin": sin[0]}
+        if visual is not None and visual[1]:
+            rows = torch.nonzero(visual[0].reshape(-1)).flatten()
+            ds = embeds.new_zeros((len(visual[1]), T, embeds.shape[1]))
+            for i, feat in enumerate(visual[1]):
+                ds[i].index_copy_(0, rows, feat.to(ds.dtype))
+            inputs["ds"] = ds
+        if Tb > T:
+            inputs = {k: F.pad(v, (0, 0, 0, Tb - T)) for k, v in inputs.items()}
+        if Tb > T or graph:  # padding rows route to no expert: the MoE, most of a prefill's work, skips them
+            inputs["valid"] = (torch.arange(Tb, device=self.device) < T).unsqueeze(1)
+        inputs["last"] = torch.tensor([T - 1], device=self.device)
+        record = tuple(sorted(set(record)))
+        if graph:
+            logits, hidden, states = self._prefill_graph(Tb, record, inputs)
+        else:
+            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
+        deltas = getattr(self.rope_owner, "rope_deltas", None)
+        self.delta.fill_(int(deltas.reshape(-1)[0]) if deltas is not None else 0)
+        self.length = T
+        self.runner.check = True
+        return Prefilled(logits, hidden, {i: s[:T].unsqueeze(0) for i, s in states.items()})
+
+    def _prefill_capturable(self, rows: torch.Tensor) -> bool:
+        """Whether every MoE layer's prefill runs without a host sync (orin.int4's fused Triton path): else
+        the prefill stays eager (CPU; no Triton; packed shapes the kernel does not take, as the tiny model's)."""
+        return all(layer.mlp.experts.fused(rows, layer.mlp.gate.top_k) for layer in self.model.layers
+                   if hasattr(layer.mlp, "experts"))
+
+    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...]):
+        m = self.model
+        x = inputs["x"]
+        pos = self.positions[:x.shape[0]]
+        ds = inputs.get("ds")
+        states = {0: x} if 0 in record else {}
+        for i, layer in enumerate(m.layers):
+            spec, w = layer_weights(layer, self.device)
+            if spec.mlp != "dense":
+                w["experts_module"] = layer.mlp.experts
+                if "valid" in inputs:
+                    w["valid_rows"] = inputs["valid"]
+            x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec)
+            if i + 1 in record:
+                states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed
+            if ds is not None and i < ds.shape[0]:
+                x = x + ds[i]
+        hidden = m.norm(x.index_select(0, inputs["last"]))
+        return self.head(hidden), hidden.unsqueeze(0), states
+
+    def _prefill_graph(self, Tb: int, record: tuple[int, ...], inputs: dict):
+        """Replay (capturing first where needed) the prefill graph of bucket Tb; outputs are copied out, so
+        the next prefill may overwrite them."""
+        key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
+        entry = self._prefill_graphs.pop(key, None)
+        if entry is None:
+            while len(self._prefill_graphs) >= PREFILL_GRAPHS:  # least recently used first
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs))).release()
+            # the layer function is captured uncompiled: a prefill is a few large kernels per layer, not
+            # worth a compilation per bucket
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            entry = _Runner(self.device, True, False, pool=self._prefill_pool)
+            entry.inputs = {k: torch.empty_like(v) for k, v in inputs.items()}
+        self._prefill_graphs[key] = entry
+        for k, v in inputs.items():
+            entry.inputs[k].copy_(v)
+        entry.check = True
+        logits, hidden, states = entry.run(lambda fn: self._prefill_forward(fn, entry.inputs, record),
+                                           lambda: self._weights() + self.k_cache + self.v_cache)
+        return logits.clone(), hidden.clone(), {i: s.clone() for i, s in states.items()}
 
     def _forward(self, layer_fn, from_tokens: bool):
         m = self.model

@@ -70,8 +70,12 @@ N_ALIGN = 16
 CPU_CONVERT_CHUNK_ROWS = 4096
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # Rows from which an Int4Linear runs as dequantize + dense GEMM instead of tinygemm (prefill, encoders), and
-# rows per expert (on average) from which an Int4Experts runs as dequantized chunks + grouped GEMMs.
-LINEAR_DEQUANT_MIN_ROWS = 64
+# rows per expert (on average) from which an Int4Experts runs as dequantized chunks + grouped GEMMs. The module
+# runs eagerly, where launching the Triton dequantizer costs ~40 us of host time: below 256 rows tinygemm's
+# one launch wins (the real vision encoder, 196 rows: 32.5 ms against 48.5 ms, BENCHMARKS.md). Inside a CUDA
+# graph only device time counts: orin.fastdecode's prefill dequantizes from GRAPH_DEQUANT_MIN_ROWS.
+LINEAR_DEQUANT_MIN_ROWS = 256
+GRAPH_DEQUANT_MIN_ROWS = 64
 GROUPED_MIN_ROWS_PER_EXPERT = 1
 
 
@@ -277,11 +281,11 @@ class _FusedGemm:
         return int4_triton.supports(packed)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
-                 ends: torch.Tensor, max_rows: int) -> torch.Tensor:
+                 ends: torch.Tensor, max_rows: int, x_ordered: bool = False) -> torch.Tensor:
         from orin import int4_triton
 
         try:
-            return int4_triton.grouped_int4_mm(x, packed, scales_and_zeros, kernel_group, ends, max_rows)
+            return int4_triton.grouped_int4_mm(x, packed, scales_and_zeros, kernel_group, ends, max_rows, x_ordered)
         except Exception as exc:  # noqa: BLE001 - re-raised for the caller's fallback, after switching off
             self.error = f"{type(exc).__name__}: {exc}"[:500]
             log.warning("the Triton INT4 GEMM failed (%s); it is off for this process", exc)
@@ -458,14 +462,19 @@ class Int4Linear(nn.Module):
             x2 = x2.to(self.compute_dtype)
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+        bias = self.bias
         if x2.shape[0] >= LINEAR_DEQUANT_MIN_ROWS:
-            y = F.linear(x2, dequantize_packed(self.weight_packed, self.scales_and_zeros, self.kernel_group_size))
+            w = dequantize_packed(self.weight_packed, self.scales_and_zeros, self.kernel_group_size)
+            if self.padded_out_features == self.out_features and (bias is None or bias.dtype == w.dtype):
+                y, bias = F.linear(x2, w, bias), None  # the bias in the GEMM's epilogue: one launch less
+            else:
+                y = F.linear(x2, w)
         else:
             y = _int4_mm(x2.contiguous(), self.weight_packed, self.kernel_group_size, self.scales_and_zeros)
         if self.padded_out_features > self.out_features:
             y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     @torch.no_grad()
@@ -670,19 +679,18 @@ class Int4Experts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         _check_device(self.down_packed, self.layout, "Int4Experts")
-        final = torch.zeros_like(hidden_states)
         T, k = top_k_index.shape
-        if T == 0:
-            return final
         E = self.num_experts
         grouped = T * k >= GROUPED_MIN_ROWS_PER_EXPERT * E
-        if grouped and fused_gemm.usable(hidden_states, self.gate_up_packed):
+        if T and self.fused(hidden_states, k):
             try:
-                return self._forward_fused(hidden_states, top_k_index, top_k_weights, final)
+                return self._forward_fused(hidden_states, top_k_index, top_k_weights)
             except Exception:  # noqa: BLE001 - the kernel's own failure (recorded, and it is now off) falls back
                 if fused_gemm.error is None:
                     raise
-                final.zero_()
+        final = torch.zeros_like(hidden_states)
+        if T == 0:
+            return final
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
         counts_dev = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E]
@@ -709,7 +717,14 @@ class Int4Experts(nn.Module):
         weights = top_k_weights.reshape(-1)[order]
         return self._combine(final, out, weights, token)
 
-    def _forward_fused(self, hidden_states, top_k_index, top_k_weights, final) -> torch.Tensor:
+    def fused(self, hidden_states: torch.Tensor, k: int) -> bool:
+        """Whether forward takes the fused path for these rows, k experts each: the one without a host sync,
+        which a CUDA graph can capture."""
+        return (hidden_states.shape[0] * k >= GROUPED_MIN_ROWS_PER_EXPERT * self.num_experts
+                and fused_gemm.usable(hidden_states, self.gate_up_packed)
+                and fused_gemm.usable(hidden_states, self.down_packed))
+
+    def _forward_fused(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """Prefill on CUDA: one Triton launch per projection over all experts, group boundaries on the device
         (no host sync, so the host queues the next layers while this one runs)."""
         E, (T, k) = self.num_experts, top_k_index.shape
@@ -720,22 +735,37 @@ class Int4Experts(nn.Module):
         counts.scatter_add_(0, flat.clamp(max=E), torch.ones_like(flat))
         ends = torch.cumsum(counts[:E], 0)
         token = order // k
-        x = self._rows(hidden_states, token)
-        gate_up = fused_gemm(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0], ends, T)
-        out = fused_gemm(self._act(gate_up), self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], ends,
-                         T)
-        # rows of out-of-range indices sort last, beyond ends[-1], and come back zero: weigh them 0 as well
-        sorted_idx = flat[order]
-        weights = torch.where(sorted_idx < E, top_k_weights.reshape(-1)[order], 0)
-        return self._combine(final, out, weights, token)
+        from orin import int4_triton
 
-    def _rows(self, hidden_states: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The sorted rows in the compute dtype, padded to the kernel's K."""
-        x = hidden_states[token]
+        # activations handed over in the kernel's column order (int4_triton.nibble_order)
+        x = self._rows(hidden_states, token, int4_triton.nibble_order(self.gate_up_packed))
+        gate_up = fused_gemm(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0], ends, T,
+                             x_ordered=True)
+        h = self._act(gate_up).index_select(1, int4_triton.nibble_order(self.down_packed))
+        out = fused_gemm(h, self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], ends, T,
+                         x_ordered=True)
+        # Back to each token's k rows (a permutation: every row has one place), weighted and summed in one
+        # reduction; index_add_'s atomics took 50 us a layer. Rows of out-of-range indices sorted last, beyond
+        # ends[-1], and came back zero: they weigh 0 as well.
+        H = self.hidden_dim
+        dtype = hidden_states.dtype
+        back = torch.empty((T * k, H), dtype=dtype, device=hidden_states.device)
+        back.index_copy_(0, order, out[:, :H].to(dtype))
+        weights = torch.where(flat < E, top_k_weights.reshape(-1), 0).to(dtype)
+        return (back.view(T, k, H) * weights.view(T, k, 1)).sum(1)
+
+    def _rows(self, hidden_states: torch.Tensor, token: torch.Tensor, columns: torch.Tensor | None = None):
+        """The sorted rows in the compute dtype, padded to the kernel's K, their columns in the order `columns`
+        gives (cast, padded and reordered on the T tokens, before the gather repeats each k times)."""
+        x = hidden_states
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         K_gu = self._geom["gate_up"][1]
-        return F.pad(x, (0, K_gu - self.hidden_dim)) if K_gu > self.hidden_dim else x
+        if K_gu > self.hidden_dim:
+            x = F.pad(x, (0, K_gu - self.hidden_dim))
+        if columns is not None:
+            x = x.index_select(1, columns)
+        return x[token]
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         inter = self.intermediate_dim

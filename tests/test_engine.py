@@ -247,3 +247,19 @@ def test_cli_generate_bad_audio_and_budget(quantized_dir, tmp_path):
     small = runner.invoke(cli, ["generate", quantized_dir, "--text", "x", "--budget", "64KiB", "--device", "cpu",
                                 "--power-backend", "none"])
     assert small.exit_code == 1 and "budget" in small.output
+
+
+def test_heap_frozen_once_after_captures_and_unfrozen_on_close(quantized_dir):
+    import gc
+    from types import SimpleNamespace
+
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    try:
+        eng._settle_heap()  # nothing captured yet (CPU, eager): nothing frozen
+        assert not eng._heap_frozen and gc.get_freeze_count() == 0
+        eng._decoders["thinker", True] = SimpleNamespace(runner=SimpleNamespace(captures=1), prefill_captures=0)
+        eng._settle_heap()
+        assert eng._heap_frozen and gc.get_freeze_count() > 0
+    finally:
+        eng.close()
+    assert not eng._heap_frozen and gc.get_freeze_count() == 0

@@ -187,7 +187,8 @@ def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bia
     b = packed["bias"].float() if bias else 0.0
     layer = Int4Linear.from_gptq({k: v.to(device) for k, v in packed.items()}, K, device, dtype)
     assert (layer.in_features, layer.out_features, layer.padded_in_features) == (K, N, pad_in_features(K, g))
-    for shape in [(2, 3, K), (1, K), (17, K), (2, 40, K)]:  # fresh draws; 80 rows: dequantize + dense GEMM
+    # fresh draws; 300 rows: dequantize + dense GEMM (from LINEAR_DEQUANT_MIN_ROWS)
+    for shape in [(2, 3, K), (1, K), (17, K), (2, 40, K), (3, 100, K)]:
         x = torch.randn(shape, generator=gen).to(dtype)
         y = layer(x.to(device))
         assert y.shape == (*shape[:-1], N) and y.dtype == dtype and y.device.type == device

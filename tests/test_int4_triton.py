@@ -49,6 +49,10 @@ SCRIPT = textwrap.dedent('''
             y = int4_triton.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0))
             assert torch.equal(y, int4_triton.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0),
                                                               max_rows=max(counts)))
+            order = int4_triton.nibble_order(packed)
+            assert sorted(order.tolist()) == list(range(K_run)) and order.tolist() != list(range(K_run))
+            assert torch.equal(y, int4_triton.grouped_int4_mm(x.index_select(1, order), packed, sz, kg,
+                                                              torch.tensor(counts).cumsum(0), x_ordered=True))
             ends = torch.tensor([0] + counts).cumsum(0).tolist()
             ref = torch.cat([x[a:b] @ ref_w[e].T for e, (a, b) in enumerate(zip(ends, ends[1:]))])
             assert rel(y[:rows], ref) < 5e-3 and not y[rows:].any(), (K, N, g)  # ref_w is rounded to bf16
