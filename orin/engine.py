@@ -474,14 +474,14 @@ class Engine:
         from transformers import DynamicCache
 
         embeds, position_ids, visual = merged
-        record = (0, self.config.talker_config.accept_hidden_layer) if want_hidden else ()
+        accept = self.config.talker_config.accept_hidden_layer
         if self.decode != "eager" and (fast := self._fast("thinker")).supported():
             # always recorded (two [T, H] copies): text-only and speech requests then share a prefill graph
-            accept = self.config.talker_config.accept_hidden_layer
             out = fast.prefill(embeds[0], position_ids, max_len, record=(0, accept), visual=visual,
                                graph=self._keeps_weights)
             self._track_kv(fast)
             return fast, out.states, out.logits
+        record = (0, accept) if want_hidden else ()
         thinker = self.model.thinker
         cache = DynamicCache(config=self.config.thinker_config.text_config)
         out = thinker.model.language_model(
