@@ -294,6 +294,20 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: _Inputs, log_fn, b
 # ---------------------------------------------------------------------- checks and profile (CUDA)
 
 
+def _timed_ms(fn, n: int = 10):
+    """(milliseconds per call of `fn` over `n` calls after one untimed call, the last result); the GPU is
+    synchronised before and after, not between calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        y = fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3, y
+
+
 def _rel(a, b) -> float:
     """Relative error of `a` against `b` (Frobenius norms, in float32)."""
     a, b = a.float(), b.float()
@@ -345,13 +359,8 @@ def verify_fast_decode(engine, modes: tuple[str, ...] = ("graph",), steps: int =
                 long_ids = torch.randint(1000, lm.config.vocab_size - 1000, (1, prefill_rows), generator=gen,
                                          device=dev)
                 e, p, _ = engine._thinker_inputs({"attention_mask": torch.ones_like(long_ids)}, long_ids, None, None)
-                dec.prefill(e[0], p, prefill_rows + 8)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    dec.prefill(e[0], p, prefill_rows + 8)
-                torch.cuda.synchronize()
-                out[f"prefill_{mode}_{prefill_rows}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
+                out[f"prefill_{mode}_{prefill_rows}_ms"], _ = _timed_ms(
+                    lambda d=dec, e=e, p=p: d.prefill(e[0], p, prefill_rows + 8), 3)
             if dec.runner.compile_error:
                 out[f"{mode}_compile_error"] = dec.runner.compile_error
             if graph:
@@ -403,15 +412,6 @@ def verify_prefill(engine, rows: int = 467, prompt_inputs: dict | None = None) -
 
     from . import int4
 
-    def timed(fn, n: int = 10):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            y = fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e3, y
-
     out = {"rows": rows}
     dev = engine.device
     lm = engine.model.thinker.model.language_model
@@ -424,20 +424,20 @@ def verify_prefill(engine, rows: int = 467, prompt_inputs: dict | None = None) -
         q = layer.self_attn.q_proj
         try:
             int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS = 10**9, 10**9
-            out["moe_per_expert_ms"], ref = timed(lambda: layer.mlp.experts(h, idx, w))
-            out["q_proj_tinygemm_ms"], q_ref = timed(lambda: q(h))
+            out["moe_per_expert_ms"], ref = _timed_ms(lambda: layer.mlp.experts(h, idx, w))
+            out["q_proj_tinygemm_ms"], q_ref = _timed_ms(lambda: q(h))
         finally:
             int4.GROUPED_MIN_ROWS_PER_EXPERT, int4.LINEAR_DEQUANT_MIN_ROWS = saved
-        out["moe_grouped_ms"], got = timed(lambda: layer.mlp.experts(h, idx, w))
+        out["moe_grouped_ms"], got = _timed_ms(lambda: layer.mlp.experts(h, idx, w))
         out["moe_grouped_rel_err"] = _rel(got, ref)
-        out["q_proj_dense_ms"], q_got = timed(lambda: q(h))
+        out["q_proj_dense_ms"], q_got = _timed_ms(lambda: q(h))
         out["q_proj_dense_rel_err"] = _rel(q_got, q_ref)
         if prompt_inputs is not None:  # the encoders as the engine calls them, each call synchronised
             tm = engine.model.thinker.model
             x = {k: (v.to(dev) if hasattr(v, "to") else v) for k, v in prompt_inputs.items()}
-            out["audio_encoder_ms"], _ = timed(lambda: tm.get_audio_features(
+            out["audio_encoder_ms"], _ = _timed_ms(lambda: tm.get_audio_features(
                 x["input_features"].to(engine.dtype), x["feature_attention_mask"], return_dict=True), 5)
-            out["vision_encoder_ms"], _ = timed(lambda: tm.get_image_features(
+            out["vision_encoder_ms"], _ = _timed_ms(lambda: tm.get_image_features(
                 x["pixel_values"].to(engine.dtype), x["image_grid_thw"], return_dict=True), 5)
     out["triton_gemm_error"] = int4.fused_gemm.error
     out["triton_dequant_error"] = int4.dequantize_packed.error

@@ -318,7 +318,6 @@ class _Runner:
     def __init__(self, device: torch.device, graph: bool, compile: bool, pool=None):
         self.device = device
         self.pool = pool  # a memory pool shared with other graphs that never run at the same time
-        self.inputs: dict = {}  # a prefill graph's static input buffers
         self.graph_enabled = graph and device.type == "cuda"
         self.compile = compile
         self.layer_fn = decoder_layer
@@ -434,7 +433,8 @@ class StaticDecoder(_GraphToggle):
         self.length = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        self._prefill_graphs: OrderedDict[tuple, _Runner] = OrderedDict()
+        # bucket key -> (its runner, its graph's static input buffers)
+        self._prefill_graphs: OrderedDict[tuple, tuple[_Runner, dict]] = OrderedDict()
         # One memory pool for all prefill buckets (they never run at once and their outputs are copied out),
         # so the buckets kept cost about one prefill's activations, not one each.
         self._prefill_pool = None
@@ -445,7 +445,7 @@ class StaticDecoder(_GraphToggle):
 
     @property
     def prefill_captures(self) -> int:
-        return sum(entry.captures for entry in self._prefill_graphs.values())
+        return sum(runner.captures for runner, _ in self._prefill_graphs.values())
 
     def supported(self) -> bool:
         return all(supported(layer) for layer in self.model.layers)
@@ -466,8 +466,8 @@ class StaticDecoder(_GraphToggle):
         self._release_prefill_graphs()
 
     def _release_prefill_graphs(self) -> None:
-        for entry in self._prefill_graphs.values():
-            entry.release()
+        for runner, _ in self._prefill_graphs.values():
+            runner.release()
         self._prefill_graphs.clear()
         self._prefill_pool = None
 
@@ -517,8 +517,7 @@ class StaticDecoder(_GraphToggle):
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
         masks them until it overwrites them."""
         T = int(embeds.shape[0])
-        graph = graph and self.runner.graph_enabled and \
-            self._prefill_capturable(embeds.new_empty((T, embeds.shape[1])))
+        graph = graph and self.runner.graph_enabled and self._prefill_capturable(embeds)
         bucket = bucket or (PREFILL_BUCKET if graph else 1)
         Tb = -(-T // bucket) * bucket
         if max(max_len, Tb) > self.max_len or not self.k_cache:
@@ -581,19 +580,20 @@ class StaticDecoder(_GraphToggle):
         entry = self._prefill_graphs.pop(key, None)
         if entry is None:
             while len(self._prefill_graphs) >= PREFILL_GRAPHS:  # least recently used first
-                self._prefill_graphs.pop(next(iter(self._prefill_graphs))).release()
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))[0].release()
             # the layer function is captured uncompiled: a prefill is a few large kernels per layer, not
             # worth a compilation per bucket
             if self._prefill_pool is None:
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            entry = _Runner(self.device, True, False, pool=self._prefill_pool)
-            entry.inputs = {k: torch.empty_like(v) for k, v in inputs.items()}
+            entry = (_Runner(self.device, True, False, pool=self._prefill_pool),
+                     {k: torch.empty_like(v) for k, v in inputs.items()})
         self._prefill_graphs[key] = entry
+        runner, static = entry
         for k, v in inputs.items():
-            entry.inputs[k].copy_(v)
-        entry.check = True
-        logits, hidden, states = entry.run(lambda fn: self._prefill_forward(fn, entry.inputs, record),
-                                           lambda: self._weights() + self.k_cache + self.v_cache)
+            static[k].copy_(v)
+        runner.check = True
+        logits, hidden, states = runner.run(lambda fn: self._prefill_forward(fn, static, record),
+                                            lambda: self._weights() + self.k_cache + self.v_cache)
         return logits.clone(), hidden.clone(), {i: s.clone() for i, s in states.items()}
 
     def _forward(self, layer_fn, from_tokens: bool):

@@ -270,10 +270,9 @@ class _FusedGemm:
 
     def __init__(self) -> None:
         self.error: str | None = None
-        self.enabled = True
 
     def usable(self, x: torch.Tensor, packed: torch.Tensor) -> bool:
-        if not (self.enabled and self.error is None and x.is_cuda and triton_available()):
+        if not (self.error is None and x.is_cuda and triton_available()):
             return False
         from orin import int4_triton
 
