@@ -133,20 +133,34 @@ def power_cmd(backend, hz, seconds, sysfs_root, as_json):
 @click.option("--cpu-quota", default="600%", show_default=True, help="CPUQuota= (100% is one core).")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None, help="File with the API keys serve accepts.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=None, help="Requests serve queues before refusing.")
+@click.option("--served-model-name", default=None,
+              help="The model name clients pass as `model` in the OpenAI API (default: the checkpoint's).")
 @click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
               help="Install under this directory; systemctl and user creation only happen when it is /.")
-@click.option("--dry-run", is_flag=True, help="Print what would be done and the rendered files; write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what would be done and the rendered files; write nothing. Exits 1 when the real run "
+                   "would be refused for permissions.")
 @click.option("--force", is_flag=True, help="Replace a differing unit or environment file (the old one is kept as .bak).")
+@click.option("--fix-permissions", is_flag=True,
+              help="Open up what keeps --user from reading the model or running Python (chmod -R a+rX on the model "
+                   "directory, the missing x on its parents) instead of refusing.")
 @click.option("--enable/--no-enable", default=True, show_default=True, help="systemctl enable the unit.")
 def install_service_cmd(model_dir, name, user, host, port, budget, power_mode, jetson_clocks, platform, cpu_quota,
-                        api_key_file, max_queue, root, dry_run, force, enable):
-    """Install NAME.service running `orin-omni serve` under a hardened systemd sandbox."""
+                        api_key_file, max_queue, served_model_name, root, dry_run, force, fix_permissions, enable):
+    """Install NAME.service running `orin-omni serve` under a hardened systemd sandbox.
+
+    Before writing anything it checks that --user can read every file of --model-dir and run this Python (every
+    parent directory searchable, symlinks followed), and refuses with the chmod commands that fix it unless
+    --fix-permissions. A user that does not exist yet is checked as the system user install-service creates
+    (its own new group, so only the 'other' permission bits count); under a --root other than / such a user is
+    created on the target, so its problems are printed as a warning instead."""
     from .service_install import InstallConfig, install_service
 
     cfg = InstallConfig(
         model_dir=model_dir, name=name, user=user, host=host, port=port, budget=budget, power_mode=power_mode,
         jetson_clocks=jetson_clocks, platform=platform, cpu_quota=cpu_quota, api_key_file=api_key_file,
-        max_queue=max_queue, root=root, dry_run=dry_run, force=force, enable=enable,
+        max_queue=max_queue, served_model_name=served_model_name, root=root, dry_run=dry_run, force=force,
+        enable=enable, fix_permissions=fix_permissions,
     )
     install_service(cfg, log=click.echo)
 
@@ -169,8 +183,10 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--image", "images", multiple=True, type=click.Path(), help="PNG/JPEG image (repeatable).")
 @click.option("--audio", "audios", multiple=True, type=click.Path(),
               help="WAV/FLAC (MP3 where libsndfile decodes it), any sample rate (repeatable).")
-@click.option("--out-wav", type=click.Path(dir_okay=False), default=None, help="Write the 24 kHz speech here.")
-@click.option("--speech/--no-speech", default=True, show_default=True, help="Answer with speech too.")
+@click.option("--out-wav", type=click.Path(dir_okay=False), default=None,
+              help="Answer with speech too and write it here (24 kHz WAV).")
+@click.option("--speech/--no-speech", default=None,
+              help="Generate speech (default: only when --out-wav says where it goes).")
 @click.option("--budget", type=SIZE, default=None, help="GPU memory budget; components are time-sliced under it.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-audio-frames", type=click.IntRange(min=1), default=None,
@@ -181,10 +197,11 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--power-backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
               show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the request report as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
 def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_new_tokens, max_audio_frames,
                  speaker, temperature, device, power_backend, as_json):
-    """Run one request on a quantized checkpoint: print the text, write the speech, report time/memory/energy."""
+    """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
+    energy, where the speech went) on stderr."""
     from .generate import GenerateConfig, run_generate
 
     run_generate(GenerateConfig(
@@ -224,9 +241,11 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
               help="Cap on the speech one answer may generate (default: follows the text).")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="On SIGTERM, how long the request in flight may run before it is cancelled.")
+@click.option("--served-model-name", default=None,
+              help="The model id clients pass as model= (default: the name recorded in the checkpoint's manifest).")
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
               sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_speech_seconds,
-              drain_seconds):
+              drain_seconds, served_model_name):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
     from .server import ServeConfig, serve
 
@@ -235,7 +254,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
         allow_dir=allow_dir, device=device, power_backend=power_backend, power_hz=power_hz, sysfs_root=sysfs_root,
         verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
         max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels,
-        max_speech_seconds=max_speech_seconds, drain_s=drain_seconds,
+        max_speech_seconds=max_speech_seconds, drain_s=drain_seconds, served_model_name=served_model_name,
     ))
 
 
@@ -265,6 +284,38 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
     result = run_smoke(SmokeConfig(
         url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
         voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s,
+    ))
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
+    if not result.ok:
+        ctx.exit(1)
+
+
+@cli.command("doctor")
+@click.option("--model-dir", type=click.Path(file_okay=False), default=None,
+              help="Checkpoint to check (default: the one the installed unit serves).")
+@click.option("--user", default=None, help="Service user that must read the model (default: the unit's, else orin-omni).")
+@click.option("--name", default="qwen3-omni", show_default=True, help="Unit name given to install-service.")
+@click.option("--budget", type=SIZE, default=None,
+              help="GPU memory budget the model is sized at (default: the unit's, else 24GiB).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="cuda: a missing GPU is a failure; auto: the GPU checks are skipped without one.")
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
+              help="The --root given to install-service; systemctl is only asked when it is /.")
+@click.option("--sysfs-root", type=click.Path(file_okay=False), default="/sys", show_default=True,
+              help="Where the INA3221 monitors are looked up.")
+@click.option("--proc-root", type=click.Path(file_okay=False), default="/proc", show_default=True,
+              help="Where meminfo is read.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.pass_context
+def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, proc_root, as_json):
+    """Check this board for orin-omni: Python, torch, CUDA, the INT4 kernel, Triton, CUDA graphs, power
+    backends, nvpmodel, memory and disk, the checkpoint's checksums and permissions, the service. Exits 1 if any
+    check fails, printing its fix."""
+    from .doctor import DoctorConfig, render_table, run_doctor
+
+    result = run_doctor(DoctorConfig(
+        model_dir=model_dir, user=user, name=name, budget=budget, device=device, root=root, sysfs_root=sysfs_root,
+        proc_root=proc_root,
     ))
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
     if not result.ok:
@@ -347,10 +398,14 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
               help="Codec frames the talker generates at most per reply (12.5 per second of speech).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the built-in calibration set.")
 @click.option("--force", is_flag=True, help="Redo finished segments (and start over if the settings changed).")
+@click.option("--sym/--asym", default=True, show_default=True,
+              help="Symmetric 4-bit (what vLLM's GPTQ kernels take) or asymmetric; report.json measures the other.")
+@click.option("--served-model-name", default=None,
+              help="Model id recorded in the manifest, which `serve` answers to (default: qwen3-omni-int<bits>).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
                  quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts,
-                 speech_samples, reply_tokens, speech_frames, seed, force, as_json):
+                 speech_samples, reply_tokens, speech_frames, seed, force, sym, served_model_name, as_json):
     """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4, one resumable segment directory at a time."""
     from quantize.pipeline import QuantConfig, render_result, run_quantize
 
@@ -360,10 +415,25 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         quantize_code_predictor=quantize_code_predictor, quantize_code2wav=quantize_code2wav,
         quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
         speech_samples=speech_samples, thinker_new_tokens=reply_tokens, talker_new_tokens=speech_frames, seed=seed,
-        force=force,
+        force=force, sym=sym, served_model_name=served_model_name,
     )
     manifest = run_quantize(cfg)
     click.echo(json.dumps(manifest.summary(), indent=2) if as_json else render_result(out, manifest))
+
+
+@cli.command("convert")
+@click.argument("model_dir", type=click.Path())
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory of the converted checkpoint.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new manifest's summary as JSON (progress on stderr).")
+def convert_cmd(model_dir, out, force, as_json):
+    """Rewrite an orin-omni 0.1 checkpoint (one directory per segment) as a standard GPTQ directory that vLLM,
+    transformers and orin-omni load, without re-quantizing. MODEL_DIR is left as it is."""
+    from .convert import ConvertConfig, convert_checkpoint, convert_summary
+
+    path = convert_checkpoint(ConvertConfig(model_dir=model_dir, out=out, force=force),
+                              log=lambda m: click.echo(m, err=as_json))
+    click.echo(json.dumps(convert_summary(path), indent=2) if as_json else f"standard GPTQ checkpoint written to {path}")
 
 
 def main(argv: list[str] | None = None) -> None:

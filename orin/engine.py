@@ -334,11 +334,13 @@ class Engine:
         self.loader.memory.observe()
         if self.cfg.prefetch and next_comps:
             budget = self.cfg.budget
+            queued = 0  # a prefetch counts as resident only once it lands: count the ones queued here ourselves
             for c in next_comps:
                 if self.loader.is_resident(c):
                     continue
-                if budget is None or self.loader.resident_bytes() + self._resident_est[c] + working <= budget:
+                if budget is None or self.loader.resident_bytes() + queued + self._resident_est[c] + working <= budget:
                     self.loader.prefetch(c)
+                    queued += self._resident_est[c]
 
     # ------------------------------------------------------------------ the pipeline
 

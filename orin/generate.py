@@ -1,4 +1,6 @@
-"""`orin-omni generate`: one request through the engine, text streamed to stdout, speech to a WAV file."""
+"""`orin-omni generate`: one request through the engine. For people: the answer on stdout as it is written, then
+a short summary on stderr (TTFT, tokens/s, peak memory, energy, where the speech went). For machines: `--json`,
+one compact report on stdout."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ class GenerateConfig:
     images: tuple[str, ...] = ()
     audios: tuple[str, ...] = ()
     out_wav: str | None = None
-    speech: bool = True
+    speech: bool | None = None  # None: speak when --out-wav says where the speech goes
     budget: int | None = None
     max_new_tokens: int = 256
     speaker: str = "ethan"
@@ -26,6 +28,10 @@ class GenerateConfig:
     power_backend: str = "auto"
     temperature: float = 0.0
     max_audio_frames: int | None = None
+
+    @property
+    def wants_speech(self) -> bool:
+        return bool(self.out_wav) if self.speech is None else self.speech
 
 
 def build_request(cfg: GenerateConfig):
@@ -43,16 +49,18 @@ def build_request(cfg: GenerateConfig):
     if cfg.text:
         parts.append({"type": "text", "text": cfg.text})
     return GenerationRequest(
-        messages=({"role": "user", "content": parts},), max_new_tokens=cfg.max_new_tokens, speech=cfg.speech,
+        messages=({"role": "user", "content": parts},), max_new_tokens=cfg.max_new_tokens, speech=cfg.wants_speech,
         speaker=cfg.speaker, temperature=cfg.temperature, max_audio_frames=cfg.max_audio_frames,
     )
 
 
-def run_generate(cfg: GenerateConfig, out=sys.stdout) -> dict:
+def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
+    out = sys.stdout if out is None else out  # looked up per call: a test runner swaps them after import
+    err = sys.stderr if err is None else err
     from .engine import AudioChunk, Done, Engine, EngineConfig, TextDelta
     from .media import write_wav
 
-    if cfg.out_wav and not cfg.speech:
+    if cfg.out_wav and cfg.speech is False:
         raise InputError("--out-wav needs speech; drop --no-speech")
     request = build_request(cfg)  # bad media fails before the model is loaded
     engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
@@ -69,14 +77,76 @@ def run_generate(cfg: GenerateConfig, out=sys.stdout) -> dict:
                 report = event.report
     finally:
         engine.close()
-    if cfg.speech and cfg.out_wav:
+    report["wav"] = None
+    if cfg.out_wav:
         import numpy as np
 
+        from .engine import SAMPLE_RATE
+
         samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-        write_wav(cfg.out_wav, samples, 24000)
+        write_wav(cfg.out_wav, samples, SAMPLE_RATE)
         report["wav"] = str(Path(cfg.out_wav))
     if cfg.as_json:
-        out.write(json.dumps(report, indent=2, default=str) + "\n")
+        out.write(compact_json(report) + "\n")
     else:
         out.write("\n")
+        out.flush()
+        err.write(render_summary(report) + "\n")
     return report
+
+
+def render_summary(report: dict) -> str:
+    """Two or three lines under the answer: speed, memory, energy, and where the speech went (or why there is
+    none on disk)."""
+    from .units import format_bytes
+
+    def secs(v) -> str:
+        return "-" if v is None else f"{v:.3f} s"
+
+    tps = report.get("tokens_per_s")
+    budget = report.get("budget_bytes")
+    lines = [
+        f"{report.get('completion_tokens', 0)} tokens in {secs(report.get('total_s'))} | TTFT "
+        f"{secs(report.get('ttft_s'))} | {'-' if tps is None else f'{tps:.1f}'} tokens/s | peak "
+        f"{format_bytes(report.get('peak_bytes') or 0)}"
+        + (f" of a {format_bytes(budget)} budget" if budget else "")
+        + f" | {report.get('prompt_tokens', 0)} prompt tokens on {report.get('device', '?')}",
+        "energy: " + _energy_line(report.get("energy") or {}),
+    ]
+    frames, seconds = report.get("talker_frames", 0), report.get("audio_seconds", 0.0)
+    if report.get("wav"):
+        lines.append(f"speech: {seconds:.2f} s ({frames} codec frames, first audio after "
+                     f"{secs(report.get('first_audio_s'))}) written to {report['wav']}")
+    elif frames:
+        lines.append(f"speech: {seconds:.2f} s generated but not saved; pass --out-wav FILE to keep it")
+    else:
+        lines.append("speech: none (pass --out-wav FILE to have the answer spoken)")
+    return "\n".join(lines)
+
+
+def _energy_line(energy: dict) -> str:
+    if not energy.get("available") or energy.get("joules") is None:
+        return "not measured (no power backend was reading; `orin-omni power` shows which one works here)"
+    mean = energy.get("mean_w")
+    line = (f"{energy['joules']:.1f} J, mean {'-' if mean is None else f'{mean:.1f}'} W "
+            f"({' -> '.join(energy.get('backends') or [energy.get('backend', '?')])})")
+    return line + (f"; {energy['note']}" if energy.get("note") else "")
+
+
+def compact_json(obj, indent: int = 2) -> str:
+    """JSON with objects indented and lists of plain values on one line: 256 token ids are one line, not 256."""
+
+    def render(value, depth: int) -> str:
+        pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
+        if isinstance(value, dict):
+            if not value:
+                return "{}"
+            items = [f"{inner}{json.dumps(str(k))}: {render(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+        if isinstance(value, (list, tuple)):
+            if all(not isinstance(v, (dict, list, tuple)) for v in value):
+                return json.dumps(list(value), default=str)
+            return "[\n" + ",\n".join(inner + render(v, depth + 1) for v in value) + "\n" + pad + "]"
+        return json.dumps(value, default=str)
+
+    return render(obj, 0)

@@ -2,19 +2,18 @@
 
 One quantized ``nn.Linear`` with ``in_features=K``, ``out_features=N`` and group size ``g`` is stored as
 
-- ``qweight`` int32 ``[K_pad/8, N]``: 8 4-bit codes per word along the input dim, low nibble first;
-- ``qzeros``  int32 ``[K_pad/g, N/8]``: the zero points packed along the output dim, GPTQ v1 convention, i.e.
+- ``qweight`` int32 ``[ceil(K/8), N]``: 8 4-bit codes per word along the input dim, low nibble first;
+- ``qzeros``  int32 ``[ceil(K/g), N/8]``: the zero points packed along the output dim, GPTQ v1 convention, i.e.
   the packed word of the zero points minus ``0x11111111`` *as a whole 32-bit word* (that is what GPTQModel's
   ``convert_gptq_v2_to_v1_format_module`` writes; a zero point of 0 borrows from the next nibble, so decoding
   must add ``0x11111111`` to the word before splitting nibbles, never add 1 per nibble);
-- ``scales``  float16 ``[K_pad/g, N]``;
-- ``g_idx``   int32 ``[K_pad]`` = ``arange(K_pad) // g`` (desc_act=False; anything else is refused);
+- ``scales``  float16 ``[ceil(K/g), N]``;
+- ``g_idx``   int32 ``[K]`` = ``arange(K) // g`` (desc_act=False; anything else is refused);
 - ``bias``    bf16/fp16 ``[N]`` if the layer has one.
 
-The weight is ``W[n, k] = scales[k//g, n] * (q[n, k] - z[k//g, n])``. ``K_pad = pad_in_features(K, g)``: layers
-whose K is not a multiple of g (the vision ``linear_fc2``, K=4304) are stored with zero input columns up to the
-next multiple of g, and the runtime feeds zero activations there. The unpadded layout GPTQModel writes itself
-(``qweight`` rows = ceil(K/8), a partial last group) is read too.
+The weight is ``W[n, k] = scales[k//g, n] * (q[n, k] - z[k//g, n])``. A K that is not a multiple of g ends in a
+partial group, as GPTQModel writes it; the runtime pads such layers to ``K_pad = pad_in_features(K, g)`` with
+zero columns at load time. Checkpoints of orin-omni 0.1, which stored K_pad columns, are read too.
 """
 
 from __future__ import annotations
@@ -42,15 +41,9 @@ def pad_in_features(K: int, g: int) -> int:
 
 def gptq_v1_bytes(K: int, N: int, g: int, bias: bool, bias_dtype_bytes: int = 2) -> int:
     """Exact bytes of the tensors ``pack_gptq_v1`` writes for one K -> N layer (safetensors payload, no header)."""
-    K_pad = pad_in_features(K, g)
-    groups = K_pad // g
-    total = (K_pad // PACK) * N * 4  # qweight
-    total += groups * (N // PACK) * 4  # qzeros
-    total += groups * N * 2  # scales (fp16)
-    total += K_pad * 4  # g_idx
-    if bias:
-        total += N * bias_dtype_bytes
-    return total
+    from .layout import gptq_v1_bytes as file_bytes
+
+    return file_bytes(K, N, g, False) + (N * bias_dtype_bytes if bias else 0)
 
 
 def _to_int32_words(words64: torch.Tensor) -> torch.Tensor:
@@ -84,8 +77,10 @@ def pack_gptq_v1(
     """Pack integer codes into the GPTQ v1 tensors of one layer.
 
     ``q_int`` [N, K] ints 0..15, ``zeros_int`` [ceil(K/g), N] ints 0..15 (the real zero points, 8 for sym),
-    ``scales`` [ceil(K/g), N]. If K is not a multiple of g the codes are padded up to K_pad with each group's
-    zero point, so the padded columns dequantize to exactly 0. Works on any device.
+    ``scales`` [ceil(K/g), N]. The layout GPTQ tools write and read: ``qweight`` holds ceil(K/8) rows (a K that
+    is not a multiple of 8 is padded with the last group's zero point, which dequantizes to exactly 0), the last
+    group may be partial, and ``g_idx`` has K entries. The runtime pads to a multiple of g at load time where its
+    kernels need it. Works on any device.
     """
     if q_int.dim() != 2:
         raise ValueError(f"q_int must be [N, K], got shape {tuple(q_int.shape)}")
@@ -105,8 +100,9 @@ def pack_gptq_v1(
         raise ValueError("q_int values must lie in 0..15")
     if z.numel() and (int(z.min()) < 0 or int(z.max()) > MAXQ):
         raise ValueError("zeros_int values must lie in 0..15")
-    if K_pad > K:
-        pad_codes = z[-1].view(N, 1).expand(N, K_pad - K)
+    K_words = -(-K // PACK) * PACK
+    if K_words > K:
+        pad_codes = z[-1].view(N, 1).expand(N, K_words - K)
         q = torch.cat([q, pad_codes], dim=1)
     qweight = _pack_rows(q.t().contiguous())
     zero_words = _pack_rows(z.t().contiguous()).t().contiguous()  # [groups, N/8]
@@ -115,7 +111,7 @@ def pack_gptq_v1(
         "qweight": qweight,
         "qzeros": qzeros,
         "scales": scales.to(torch.float16).contiguous(),
-        "g_idx": (torch.arange(K_pad, device=q_int.device, dtype=torch.int32) // g),
+        "g_idx": (torch.arange(K, device=q_int.device, dtype=torch.int32) // g),
     }
     if bias is not None:
         if tuple(bias.shape) != (N,):

@@ -3,9 +3,10 @@
 A target is either one nn.Linear or one fused MoE experts module (transformers 5.x stores a layer's experts as
 3-D `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; on disk they become one GPTQ Linear per expert and
 projection). Embeddings, lm_head, routers, norms, convolutions and the small projection MLPs stay BF16.
-A Linear whose in_features is not a multiple of the group size (the real vision `linear_fc2`, 4304 wide) is
-stored zero-padded to the next multiple: the padded columns multiply zero activations, so the output is exact,
-and the cost is 48 extra columns of one layer type (~1.1 % of that layer).
+The vision MLP's `linear_fc2` (4304 inputs, 16 x 269: no group size the INT4 kernels or vLLM's GPTQ kernels
+take divides it) stays BF16 and is declared so in the checkpoint's quantization_config. Any other Linear whose
+in_features is not a multiple of the group size (possible with --group-size 256) is stored the way GPTQ tools
+write it (a partial last group) and padded with zero columns at load time, where the kernels need it.
 """
 
 from __future__ import annotations
@@ -26,19 +27,19 @@ class QuantSpec:
     quantize_code_predictor: bool = False
     quantize_code2wav: bool = False
     quantize_lm_head: bool = False
+    sym: bool = True  # vLLM's GPTQ kernels take symmetric 4-bit only
 
     def describe(self) -> dict:
         return {
             "bits": self.bits,
             "group_size": self.group_size,
             "format": "gptq_v1",
-            "sym": False,
+            "sym": self.sym,
             "desc_act": False,
             "quantized": {
                 "thinker_text": "attention q/k/v/o projections and every routed expert's gate/up/down"
                 + (", lm_head" if self.quantize_lm_head else ""),
-                "vision_encoder": "every block's attn qkv/proj and mlp linear_fc1/linear_fc2 (fc2 zero-padded "
-                "to a multiple of the group size)",
+                "vision_encoder": "every block's attn qkv/proj and mlp linear_fc1 (linear_fc2 stays BF16)",
                 "talker": "attention projections, routed experts and the shared expert",
                 "audio_encoder": "encoder layers' linears" if self.quantize_audio_encoder else "stays BF16",
                 "code_predictor": "decoder layers' linears" if self.quantize_code_predictor else "stays BF16",
@@ -52,7 +53,7 @@ class QuantSpec:
 _RULES: dict[str, str] = {
     "thinker_text": r"^thinker\.model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts|mlp\.(gate|up|down)_proj)$",
     "audio_encoder": r"^thinker\.model\.audio_tower\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)$",
-    "vision_encoder": r"^thinker\.model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])$",
+    "vision_encoder": r"^thinker\.model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc1)$",
     "talker": r"^talker\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts|mlp\.shared_expert\.(gate|up|down)_proj)$",
     "code_predictor": r"^talker\.code_predictor\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$",
     "code2wav": r"^code2wav\.pre_transformer\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$",
@@ -103,11 +104,10 @@ def padded(k: int, group_size: int) -> int:
 
 
 def gptq_v1_bytes(k: int, n: int, group_size: int, bias: bool) -> int:
-    """File bytes of one GPTQ v1 Linear: int32 qweight [Kp/8, N], int32 qzeros [Kp/g, N/8], fp16 scales
-    [Kp/g, N], int32 g_idx [Kp], bias in 16 bits."""
-    kp = padded(k, group_size)
-    groups = kp // group_size
-    return kp * n // 2 + groups * (n // 8) * 4 + groups * n * 2 + kp * 4 + (n * 2 if bias else 0)
+    """File bytes of one GPTQ v1 Linear as GPTQ tools store it: int32 qweight [ceil(K/8), N], int32 qzeros
+    [ceil(K/g), N/8], fp16 scales [ceil(K/g), N], int32 g_idx [K], bias in 16 bits."""
+    groups = -(-k // group_size)
+    return -(-k // 8) * n * 4 + groups * (n // 8) * 4 + groups * n * 2 + k * 4 + (n * 2 if bias else 0)
 
 
 def runtime_int4_bytes(k: int, n: int, group_size: int, bias: bool) -> int:

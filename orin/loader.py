@@ -25,6 +25,7 @@ from torch import nn
 from . import components as C
 from .checkpoint import Checkpoint
 from .errors import BudgetError, ModelError
+from .hub_names import expert_part, to_runtime
 
 log = logging.getLogger("orin.loader")
 
@@ -158,11 +159,12 @@ class Loader:
         shells = {p: m for p, m in self.shells.items() if C.component_of(p + ".") == component}
         for source in self.ckpt.sources(component):
             with source.open(self.device) as reader:
-                for key in source.plain_keys:
-                    total += self._assign(key, reader.get_tensor(key))
-                for path, keys in source.int4_modules.items():
+                for key, file_keys in source.plain.items():
+                    total += self._assign(key, _read_plain(reader, key, file_keys))
+                for path, int4 in source.int4_modules.items():
                     shell = shells[path]
-                    load_int4_module(shell, _Relative(reader, path, keys), self.device, self.dtype, name=path)
+                    load_int4_module(shell, _Relative(reader, int4.file_prefix, int4.keys), self.device, self.dtype,
+                                     name=path)
                     total += _module_bytes(shell)
         missing = [n for n, p in self.model.named_parameters()
                    if C.component_of(n) == component and p.device.type == "meta"]
@@ -244,6 +246,19 @@ class Loader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _read_plain(reader, key: str, file_keys: list[str]) -> torch.Tensor:
+    """One runtime parameter from its file tensors: the tensor itself, or a fused experts tensor stacked from
+    one weight per expert as the hub stores them (gate_up_proj [E, 2I, H]: each expert's gate rows, then up)."""
+    if len(file_keys) == 1 and expert_part(to_runtime(file_keys[0])) is None:
+        return reader.get_tensor(file_keys[0])
+    parts = [reader.get_tensor(k) for k in file_keys]
+    if key.endswith(".gate_up_proj"):
+        if len(parts) % 2:
+            raise ModelError(f"{key}: the checkpoint has an expert's gate_proj without its up_proj")
+        return torch.stack([torch.cat(parts[i:i + 2], dim=0) for i in range(0, len(parts), 2)])
+    return torch.stack(parts)
 
 
 def _module_bytes(module: nn.Module) -> int:

@@ -14,16 +14,32 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import ChecksumError, ModelError
+from .errors import ChecksumError, ModelError, UsageError
 from .fsutil import atomic_write_json, sha256_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "orin-omni-checkpoint"
-SCHEMA_VERSION = 1
+# 2: the standard GPTQ directory of orin.checkpoint_layout (one shard per segment at the root, hub names).
+# 1: orin-omni 0.1, one directory per segment with runtime names; still read, `orin-omni convert` rewrites it.
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+
+
+def default_served_name(bits: int | None) -> str:
+    """The model id a checkpoint is served under unless told otherwise: what the README's clients pass."""
+    return f"qwen3-omni-int{bits or 4}"
+
+
+def check_served_name(name: str) -> str:
+    """A model id clients can type: non-empty, no white space, at most 128 characters."""
+    if not name or len(name) > 128 or any(ch.isspace() or not ch.isprintable() for ch in name):
+        raise UsageError(f"served model name {name!r}: use 1 to 128 printable characters without spaces, "
+                         "e.g. qwen3-omni-int4")
+    return name
 
 
 def utc_now() -> str:
@@ -74,8 +90,14 @@ class Manifest:
     split: dict[str, tuple[str, ...]]
     shared_files: tuple[FileEntry, ...]
     segments: dict[str, SegmentEntry] = field(default_factory=dict)
+    served_model_name: str = ""  # the model id clients use; empty in manifests written before it was recorded
+    schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------------ queries the loader uses
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or default_served_name(self.quantization.get("bits"))
 
     def segment(self, name: str) -> SegmentEntry:
         if name not in self.split:
@@ -111,7 +133,8 @@ class Manifest:
         if not isinstance(spec, dict):
             raise ModelError("manifest.json: quantization.spec is missing; re-run orin-omni quantize")
         try:
-            return QuantSpec(**spec)
+            # A spec recorded before `sym` was one of its fields was asymmetric.
+            return QuantSpec(**{"sym": False, **spec})
         except TypeError as exc:
             raise ModelError(f"manifest.json: quantization.spec is not understood by this version ({exc})") from exc
 
@@ -140,8 +163,9 @@ class Manifest:
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "tool_version": self.tool_version,
+            **({"served_model_name": self.served_model_name} if self.served_model_name else {}),
             "created_at": self.created_at,
             "source": dict(self.source),
             "quantization": self.quantization,
@@ -154,9 +178,10 @@ class Manifest:
     def from_json(cls, data: dict, where: str = MANIFEST_NAME) -> Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ModelError(f"{where}: not an orin-omni checkpoint manifest")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ModelError(f"{where}: schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION}; "
-                             "re-quantize with this version of orin-omni")
+        if data.get("schema_version") not in READABLE_SCHEMAS:
+            raise ModelError(f"{where}: schema version {data.get('schema_version')!r} is not one this version of "
+                             f"orin-omni reads ({', '.join(map(str, READABLE_SCHEMAS))}); upgrade orin-omni, or "
+                             "re-quantize with this one")
         try:
             split = {str(k): tuple(str(c) for c in v) for k, v in _need(data, "split", dict, where).items()}
             segments = {}
@@ -183,7 +208,12 @@ class Manifest:
                 split=split,
                 shared_files=tuple(_file(f, f"{where}: shared_files") for f in _need(data, "shared_files", list, where)),
                 segments=segments,
+                served_model_name=check_served_name(str(data["served_model_name"]))
+                if "served_model_name" in data else "",
+                schema_version=int(data["schema_version"]),
             )
+        except UsageError as exc:
+            raise ModelError(f"{where}: {exc}; fix served_model_name in the manifest") from exc
         except (TypeError, ValueError) as exc:
             raise ModelError(f"{where}: malformed manifest ({exc}); re-run orin-omni quantize --force") from exc
 
@@ -266,7 +296,7 @@ def write_segment_entry(out_dir: str | os.PathLike, entry: SegmentEntry) -> Mani
         raise ModelError(f"segment {entry.name!r} is not in this checkpoint's split ({', '.join(current.split)})")
     segments = dict(current.segments)
     segments[entry.name] = entry
-    updated = Manifest(**{**_fields(current), "segments": segments})
+    updated = replace(current, segments=segments)
     write_manifest(out_dir, updated)
     return updated
 
@@ -274,22 +304,19 @@ def write_segment_entry(out_dir: str | os.PathLike, entry: SegmentEntry) -> Mani
 def remove_segment_entry(out_dir: str | os.PathLike, name: str) -> Manifest:
     """Mark a segment unfinished (before redoing it), atomically."""
     current = read_manifest(out_dir)
-    segments = {k: v for k, v in current.segments.items() if k != name}
-    updated = Manifest(**{**_fields(current), "segments": segments})
+    updated = replace(current, segments={k: v for k, v in current.segments.items() if k != name})
     write_manifest(out_dir, updated)
     return updated
 
 
-def _fields(m: Manifest) -> dict:
-    return {f: getattr(m, f) for f in ("tool_version", "created_at", "source", "quantization", "split",
-                                       "shared_files", "segments")}
-
-
 __all__ = [
     "MANIFEST_NAME",
+    "SCHEMA_VERSION",
     "FileEntry",
     "Manifest",
     "SegmentEntry",
+    "check_served_name",
+    "default_served_name",
     "file_entry",
     "read_manifest",
     "remove_segment_entry",

@@ -46,13 +46,26 @@ def fix_config(config):
     return config
 
 
+def new_config(data: dict):
+    """Qwen3OmniMoeConfig(**data), without transformers 5.23's false warning: its thinker text config declares
+    the M-RoPE keys (mrope_section, interleaved, mrope_interleaved) as known, its talker text config, whose
+    rope_parameters carry the same keys in the real checkpoint, forgets to, so every config load warned
+    "Unrecognized keys in `rope_parameters`". Declaring them on the talker's class fixes the check itself."""
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as cfg_mod
+
+    talker_text = cfg_mod.Qwen3OmniMoeTalkerTextConfig
+    known = getattr(cfg_mod.Qwen3OmniMoeTextConfig, "ignore_keys_at_rope_validation", None) or set()
+    talker_text.ignore_keys_at_rope_validation = set(getattr(talker_text, "ignore_keys_at_rope_validation", None)
+                                                     or ()) | set(known)
+    return Qwen3OmniMoeConfig(**data)
+
+
 def load_config(model: str | Path):
     """A Qwen3OmniMoeConfig from a checkpoint dir or config.json, validated and fixed up."""
-    from transformers import Qwen3OmniMoeConfig
-
     data = read_config_dict(model)
     try:
-        config = Qwen3OmniMoeConfig(**data)
+        config = new_config(data)
     except (TypeError, ValueError) as exc:
         raise ModelError(f"{config_path(model)}: not a valid Qwen3-Omni config ({exc})") from exc
     return fix_config(config)

@@ -453,7 +453,7 @@ def render_plan(result: PlanResult) -> str:
         lines.append(f"{name:<22}{s['params']:>16,}{format_bytes(s['bf16_bytes']):>12}{format_bytes(s['int4_bytes']):>12}"
                      f"  {' + '.join(s['components'])}")
     q = result.sizes.spec
-    lines += ["", f"INT4 layout: GPTQ v1, {q.bits}-bit, group {q.group_size}, asymmetric; "
+    lines += ["", f"INT4 layout: GPTQ v1, {q.bits}-bit, group {q.group_size}, {'symmetric' if q.sym else 'asymmetric'}; "
                   + "; ".join(f"{k}: {v}" for k, v in q.describe()["quantized"].items()),
               f"stays BF16: {q.describe()['stays_bf16']}"]
     for p in result.sizes.padded_layers:

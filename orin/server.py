@@ -54,6 +54,7 @@ from .chat_api import (
     usage,
 )
 from .errors import BudgetError, InputError, OrinError, UsageError
+from .manifest import check_served_name
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics, process_rss_bytes
 from .sdnotify import Notifier
@@ -62,6 +63,7 @@ log = logging.getLogger("orin.server")
 MiB = 1 << 20
 # Label values for /metrics: anything else is "other", so scanners cannot blow up the label set.
 ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+PROBE_ENDPOINTS = ("/health", "/metrics")
 CODEC_FRAMES_PER_SECOND = 12.5  # Qwen3-Omni's talker: one codec frame per 80 ms of speech
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request", in metrics and logs only
 
@@ -93,6 +95,7 @@ class ServeConfig:
     stall_s: float = 300.0
     max_failures: int = 3
     max_connections: int = 64
+    served_model_name: str | None = None  # None: the name recorded in the checkpoint's manifest
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -213,6 +216,10 @@ class _HTTPServer(ThreadingHTTPServer):
         finally:
             self._slots.release()
 
+    def handle_error(self, request, client_address) -> None:
+        # socketserver's default prints a traceback to stderr, outside the log's format and level.
+        log.exception("connection from %s failed", client_address[0])
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -225,6 +232,15 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.app.cfg.io_timeout_s
         super().setup()
+
+    def handle_one_request(self) -> None:
+        # A client that resets its connection between requests (a keep-alive pool closing, a probe timing out)
+        # is routine, not a server error: the connection just ends.
+        try:
+            super().handle_one_request()
+        except ConnectionError as exc:
+            log.debug("%s closed the connection: %s", self.client_address[0], exc)
+            self.close_connection = True
 
     @property
     def app(self) -> Server:
@@ -385,8 +401,11 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             status = self._status or CLIENT_CLOSED
             self.app.metrics.request(endpoint, status)
-            log.info("%s %s %s %d %.3fs", self.address_string(), method, path, status,
-                     time.perf_counter() - start)
+            # Probes come every few seconds for the life of the service; the state changes they watch for are
+            # logged where they happen (loading, ready, unhealthy), so a line per probe is only noise.
+            level = logging.DEBUG if endpoint in PROBE_ENDPOINTS else logging.INFO
+            log.log(level, "%s %s %s %d %.3fs", self.address_string(), method, path, status,
+                    time.perf_counter() - start)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -480,6 +499,8 @@ class Server:
         self._owns_engine = engine is None
         self.notifier = notifier or Notifier()
         self.hook = hook
+        if cfg.served_model_name is not None:
+            check_served_name(cfg.served_model_name)
         self.api_keys = read_api_keys(cfg.api_key_file) if cfg.api_key_file else ()
         self.limits = Limits(max_audio_seconds=cfg.max_audio_seconds, max_image_pixels=cfg.max_image_pixels,
                              max_new_tokens=cfg.max_new_tokens, allow_dir=cfg.allow_dir)
@@ -542,7 +563,7 @@ class Server:
                 self.state = "loading"
                 self.notifier.status(f"loading {self.cfg.model_dir}")
                 self.engine = open_engine(self.cfg)
-            self.model_name = self.engine.model_name
+            self.model_name = self.cfg.served_model_name or self.engine.model_name
             if self._stop_requested.is_set():
                 return self
             if self.cfg.warmup:

@@ -70,6 +70,9 @@ TMP_ROOTS = ("/tmp", "/var/tmp")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _CPU_QUOTA = re.compile(r"^[1-9][0-9]*%$")
+# What clients send as `model`: a name such as qwen3-omni or Qwen/Qwen3-Omni-30B-A3B-Instruct, nothing the
+# environment file would need quoting for.
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 # Characters that no quoting keeps intact through both the unit and EnvironmentFile= parsers.
 _BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f\"'\\$`]")
 _PLAIN_ENV = re.compile(r"^[A-Za-z0-9_./:@+,=-]+$")
@@ -95,6 +98,8 @@ class UnitConfig:
     watchdog_sec: int = 60
     api_key_file: str | None = None
     max_queue: int | None = None
+    # The `model` clients name in the OpenAI API; None leaves it to serve (the name in the checkpoint's manifest).
+    served_model_name: str | None = None
     groups: tuple[str, ...] = ()
     # DeviceAllow= entries (rw); empty means the platform's default list.
     devices: tuple[str, ...] = ()
@@ -187,6 +192,11 @@ def validate_unit(cfg: UnitConfig) -> None:
         raise UsageError(f"invalid watchdog interval {cfg.watchdog_sec}: must be at least 1 second")
     if cfg.max_queue is not None and cfg.max_queue < 1:
         raise UsageError(f"invalid max queue {cfg.max_queue}: must be at least 1")
+    if cfg.served_model_name is not None and not _SERVED_NAME.match(cfg.served_model_name):
+        raise UsageError(
+            f"invalid served model name {cfg.served_model_name!r}: use letters, digits and . _ : / @ + - "
+            "(at most 128 characters, e.g. qwen3-omni)"
+        )
     if cfg.power_mode is not None and cfg.power_mode not in POWER_MODES:
         raise UsageError(f"invalid power mode {cfg.power_mode!r}: use one of {', '.join(POWER_MODES)}")
     if cfg.platform != "jetson" and (cfg.power_mode or cfg.jetson_clocks):
@@ -272,6 +282,8 @@ def _context(cfg: UnitConfig) -> dict:
         serve_args += ["--api-key-file", "${ORIN_OMNI_API_KEY_FILE}"]
     if cfg.max_queue:
         serve_args += ["--max-queue", "${ORIN_OMNI_MAX_QUEUE}"]
+    if cfg.served_model_name:
+        serve_args += ["--served-model-name", "${ORIN_OMNI_SERVED_MODEL_NAME}"]
     pre_commands = []
     if cfg.power_mode:
         pre_commands.append((cfg.nvpmodel, "-m", str(POWER_MODES[cfg.power_mode])))
@@ -306,6 +318,7 @@ def _context(cfg: UnitConfig) -> dict:
         "budget_text": size_text(cfg.budget),
         "api_key_file": cfg.api_key_file,
         "max_queue": cfg.max_queue,
+        "served_model_name": cfg.served_model_name,
     }
 
 

@@ -14,6 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .access import (
+    NEW_SYSTEM_USER,
+    AccessProblem,
+    access_fix_commands,
+    access_problems,
+    fix_access,
+    identity_of,
+)
 from .errors import InputError, ModelError, ServiceError, UsageError
 from .fsutil import atomic_path
 from .service import (
@@ -57,10 +65,12 @@ class InstallConfig:
     cpu_quota: str = "600%"
     api_key_file: str | None = None
     max_queue: int | None = None
+    served_model_name: str | None = None
     root: str = "/"
     dry_run: bool = False
     force: bool = False
     enable: bool = True
+    fix_permissions: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,7 @@ def resolve_unit(cfg: InstallConfig) -> tuple[UnitConfig, tuple[str, ...]]:
         cpu_quota=cfg.cpu_quota,
         api_key_file=api_key_file,
         max_queue=cfg.max_queue,
+        served_model_name=cfg.served_model_name,
         groups=existing_groups(JETSON_GROUPS, cfg.root) if platform == "jetson" else (),
         devices=gpu_devices(platform, cfg.root),
         runtime_paths=runtime_paths,
@@ -181,6 +192,66 @@ def _is_root_fs(root: str | os.PathLike) -> bool:
 def systemd_running() -> bool:
     """The check sd_booted(3) does."""
     return Path("/run/systemd/system").is_dir()
+
+
+# --- can the service user read the model? ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccessCheck:
+    """What keeps the service user from reading the model or running the interpreter, and the fix."""
+
+    user: str
+    problems: tuple[AccessProblem, ...]
+    fixes: tuple[str, ...]
+    # The user does not exist here yet: checked as the system user useradd will create.
+    new_user: bool
+    # Refuse to install over problems: always at --root /; under another --root only for a user that exists
+    # here, since a missing one is created on the target, not by this run.
+    enforced: bool
+
+    def message(self) -> str:
+        who = f"user {self.user}"
+        if self.new_user:
+            who += " (to be created as a system user with its own group, so only the 'other' permission bits count)"
+        return "\n".join([
+            f"the service runs as {who}, which could not read the model or run the interpreter:",
+            *(f"  {p.describe()}" for p in self.problems),
+            "fix it (as root) with:",
+            *(f"  {c}" for c in self.fixes),
+            "or rerun with --fix-permissions",
+        ])
+
+
+def check_access(cfg: InstallConfig, unit: UnitConfig) -> AccessCheck:
+    """Check the unit's user against the model directory (the real path: --root stages the unit files only) and
+    the interpreter that runs orin-omni."""
+    new_user = not _user_exists(unit.user)
+    who = NEW_SYSTEM_USER if new_user else identity_of(unit.user)
+    problems = tuple(access_problems(unit.model_dir, who, sys.executable))
+    return AccessCheck(
+        user=unit.user,
+        problems=problems,
+        fixes=tuple(access_fix_commands(unit.model_dir, unit.user, problems)),
+        new_user=new_user,
+        enforced=_is_root_fs(cfg.root) or not new_user,
+    )
+
+
+def _settle_access(check: AccessCheck, cfg: InstallConfig, unit: UnitConfig, log: Callable[[str], None]) -> None:
+    """Apply the fixes (--fix-permissions), or warn about problems a staging root does not refuse."""
+    if not check.problems:
+        return
+    if cfg.fix_permissions:
+        would = "would " if cfg.dry_run else ""
+        for problem in check.problems:
+            log(f"{unit.user} cannot reach {problem.describe()}")
+        for command in check.fixes:
+            log(f"{would}fix permissions: {command}")
+        if not cfg.dry_run:
+            fix_access(unit.model_dir, unit.user, check.problems)
+    elif not check.enforced:
+        log(f"warning: on the target, {check.message()}")
 
 
 # --- install ------------------------------------------------------------------------------------------------
@@ -327,9 +398,8 @@ def plan_install(cfg: InstallConfig, unit: UnitConfig, *, systemd_up: bool, note
 
 
 def _write(path: Path, content: str, mode: int) -> None:
-    with atomic_path(path) as tmp:
+    with atomic_path(path, mode=mode) as tmp:
         tmp.write_text(content, encoding="utf-8")
-        os.chmod(tmp, mode)
 
 
 def _run(argv: tuple[str, ...]) -> None:
@@ -391,8 +461,16 @@ def install_service(cfg: InstallConfig, log: Callable[[str], None] = _quiet) -> 
             "or pass --root DIR to stage the files, or --dry-run to see what it would do"
         )
     unit, notes = resolve_unit(cfg)
+    access = check_access(cfg, unit)
+    refused = bool(access.problems) and access.enforced and not cfg.fix_permissions
+    if refused and not cfg.dry_run:
+        raise ServiceError(access.message())
     plan = plan_install(cfg, unit, systemd_up=systemd_running(), notes=notes)
+    _settle_access(access, cfg, unit, log)
     apply_install(plan, dry_run=cfg.dry_run, log=log)
+    if refused:
+        # A dry run shows the whole plan, then fails the way the real run would.
+        raise ServiceError(access.message())
     return plan
 
 

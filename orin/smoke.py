@@ -477,4 +477,8 @@ def render_table(result: SmokeResult) -> str:
     skipped = sum(c.status == SKIP for c in result.checks)
     passed = len(result.checks) - failed - skipped
     lines.append(f"{'PASSED' if result.ok else 'FAILED'}: {passed} passed, {failed} failed, {skipped} skipped")
+    if not result.ok:
+        # A URL says nothing of the checkpoint: doctor then reads it from the installed unit.
+        where = "" if "://" in result.target else f" --model-dir {result.target}"
+        lines.append(f"run `orin-omni doctor{where}` to check the board")
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """A random-weight Qwen3-Omni checkpoint at any dimensions, in exactly the layout `orin-omni quantize` writes.
 
 Speed and memory do not depend on what the weights are, so the benchmark measures the real model's dimensions
-without GPTQ and without downloading 70 GB: OUT/<segment>/model.safetensors (GPTQ v1 INT4 tensors for every
-target `orin.layout.find_targets` names, BF16 for the rest), config.json, quantize_config.json, the tokenizer
-and chat template, and manifest.json with every file's size and sha256. The engine opens it like any quantized
+without GPTQ and without downloading 70 GB: one shard per segment under hub names (GPTQ v1 INT4 tensors for every
+target `orin.layout.find_targets` names, BF16 for the rest), config.json with its quantization_config, the index,
+the tokenizer and chat template, and manifest.json with every file's size and sha256 (orin.checkpoint_layout). The engine opens it like any quantized
 checkpoint, so loading, swapping and time-slicing run the product's real code.
 
 Random values follow `orin.gptq_format.random_gptq_v1` (codes uniform 0..15, zero points 4..11, scales
@@ -17,11 +17,6 @@ at the ids the config names, and filler words (" t1234") for every other id, so 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import queue
-import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -31,6 +26,8 @@ from . import __version__
 from . import components as C
 from .errors import ModelError, UsageError
 from .fsutil import atomic_dir, atomic_write_json, atomic_write_text
+from .hub_names import is_fused_experts, to_hub
+from .safetensors_stream import PlannedTensor, write_safetensors_stream
 
 # Special tokens the processor and chat template use, and where their ids live in the config.
 _SPECIAL_IDS = {
@@ -49,9 +46,6 @@ _SPECIAL_IDS = {
 }
 _ROLE_IDS = {"user": ("user_token_id",), "assistant": ("assistant_token_id",), "system": ("system_token_id",)}
 _BYTE_IDS = 256
-
-_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int32": "I32", "int64": "I64",
-              "uint8": "U8", "int8": "I8", "bool": "BOOL", "float64": "F64", "int16": "I16"}
 
 TINY = "tiny"
 
@@ -141,20 +135,6 @@ def synthetic_tokenizer(data: dict):
 # ---------------------------------------------------------------------- the tensors of a segment
 
 
-@dataclass(frozen=True)
-class _Planned:
-    name: str
-    dtype: object  # torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
-
-
 def _init_kind(module_class: str, param: str, ndim: int) -> tuple[str, float]:
     """transformers' initial value for a parameter that stays BF16 (see the tiny model's table of kinds)."""
     if param == "bias":
@@ -170,21 +150,20 @@ def _init_kind(module_class: str, param: str, ndim: int) -> tuple[str, float]:
     return "normal", 0.02
 
 
-def _gptq_plan(path: str, K: int, N: int, g: int, bias: bool) -> list[_Planned]:
+def _gptq_plan(path: str, K: int, N: int, g: int, bias: bool) -> list[PlannedTensor]:
     import torch
 
-    from .gptq_format import PACK, pad_in_features
+    from .gptq_format import PACK
 
-    K_pad = pad_in_features(K, g)
-    groups = K_pad // g
+    groups = -(-K // g)
     out = [
-        _Planned(f"{path}.qweight", torch.int32, (K_pad // PACK, N)),
-        _Planned(f"{path}.qzeros", torch.int32, (groups, N // PACK)),
-        _Planned(f"{path}.scales", torch.float16, (groups, N)),
-        _Planned(f"{path}.g_idx", torch.int32, (K_pad,)),
+        PlannedTensor(f"{path}.qweight", torch.int32, (-(-K // PACK), N)),
+        PlannedTensor(f"{path}.qzeros", torch.int32, (groups, N // PACK)),
+        PlannedTensor(f"{path}.scales", torch.float16, (groups, N)),
+        PlannedTensor(f"{path}.g_idx", torch.int32, (K,)),
     ]
     if bias:
-        out.append(_Planned(f"{path}.bias", torch.bfloat16, (N,)))
+        out.append(PlannedTensor(f"{path}.bias", torch.bfloat16, (N,)))
     return out
 
 
@@ -239,12 +218,20 @@ class _Segment:
                 continue
             dtype = torch.bfloat16 if p.is_floating_point() else p.dtype
             self.plain.append((name, tuple(p.shape), dtype, _init_kind(*owners[name], p.dim())))
-        self.plan = [_Planned(n, d, s) for n, s, d, _ in self.plain]
+        plan = [PlannedTensor(n, d, s) for n, s, d, _ in self.plain]
         for t in self.targets:
             for suffix, K, N, bias in t.linears():
-                self.plan.extend(_gptq_plan(t.path + suffix, K, N, g, bias))
+                plan.extend(_gptq_plan(t.path + suffix, K, N, g, bias))
+        fused = [p.name for p in plan if is_fused_experts(p.name)]
+        if fused:
+            raise ModelError(f"{fused[0]}: BF16 fused experts; the synthetic checkpoint quantizes every MoE layer")
+        self.plan = [PlannedTensor(to_hub(p.name), p.dtype, p.shape) for p in plan]  # stored under hub names
 
     def tensors(self) -> Iterator[tuple[str, object]]:
+        for name, tensor in self._runtime_tensors():
+            yield to_hub(name), tensor
+
+    def _runtime_tensors(self) -> Iterator[tuple[str, object]]:
         import torch
 
         from .gptq_format import random_gptq_v1
@@ -279,75 +266,6 @@ class _Segment:
             del stacks
 
 
-# ---------------------------------------------------------------------- streaming safetensors
-
-
-def _header(plan: list[_Planned], metadata: dict[str, str]) -> bytes:
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for p in plan:
-        dtype = _ST_DTYPES.get(str(p.dtype).removeprefix("torch."))
-        if dtype is None:
-            raise ValueError(f"{p.name}: dtype {p.dtype} has no safetensors name")
-        header[p.name] = {"dtype": dtype, "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
-        offset += p.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # the tensor data starts 8-aligned
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def write_safetensors_stream(path: Path, plan: list[_Planned], tensors: Iterator[tuple[str, object]],
-                             metadata: dict[str, str]) -> tuple[int, str]:
-    """Write a safetensors file from tensors yielded in `plan` order (any device), one at a time; a writer
-    thread writes and hashes while the next tensor is drawn. Returns (file bytes, sha256)."""
-    import torch
-
-    digest = hashlib.sha256()
-    chunks: queue.Queue = queue.Queue(maxsize=64)
-    failure: list[BaseException] = []
-
-    def drain(fh) -> None:
-        while True:
-            item = chunks.get()
-            if item is None:
-                return
-            if failure:
-                continue
-            try:
-                fh.write(item)
-                digest.update(item)
-            except OSError as exc:
-                failure.append(exc)
-
-    with open(path, "wb") as fh:
-        head = _header(plan, metadata)
-        fh.write(head)
-        digest.update(head)
-        worker = threading.Thread(target=drain, args=(fh,), name="orin-synthetic-writer", daemon=True)
-        worker.start()
-        try:
-            count = 0
-            for (name, tensor), want in zip(tensors, plan, strict=True):
-                if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-                    raise RuntimeError(f"synthetic tensor {name} {tensor.dtype} {tuple(tensor.shape)} does not "
-                                       f"match the planned {want.name} {want.dtype} {want.shape}")
-                host = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-                chunks.put(memoryview(host))
-                count += 1
-                if failure:
-                    break
-        finally:
-            chunks.put(None)
-            worker.join()
-        if failure:
-            raise ModelError(f"{path}: write failed ({failure[0]})")
-        if count != len(plan):
-            raise RuntimeError(f"{path}: {count} tensors written, {len(plan)} planned")
-        fh.flush()
-        size = fh.tell()
-    return size, digest.hexdigest()
-
-
 # ---------------------------------------------------------------------- the checkpoint
 
 
@@ -366,6 +284,7 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
+    from .checkpoint_layout import model_quantization_config, segment_shards, write_config_files, write_index
     from .layout import QuantSpec, find_targets
     from .loader import params_on_meta
     from .manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
@@ -380,32 +299,25 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     with atomic_dir(out, "synthetic.tmp") as tmp:
         atomic_write_json(tmp / "config.json", data)
         config = load_config(tmp)
+        with params_on_meta():
+            model = Qwen3OmniMoeForConditionalGeneration(config)
+        targets = find_targets(model, spec)
+        write_config_files(tmp, data, model_quantization_config(model, spec, targets, 0.0, "synthetic-random"))
         synthetic_tokenizer(data).save_pretrained(tmp)
         from .tiny import CHAT_TEMPLATE
 
         atomic_write_text(tmp / "chat_template.jinja", CHAT_TEMPLATE)
         shared = tuple(file_entry(tmp, p.name) for p in sorted(tmp.iterdir()) if p.is_file())
-        with params_on_meta():
-            model = Qwen3OmniMoeForConditionalGeneration(config)
-        targets = find_targets(model, spec)
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         segments = {}
+        shards = segment_shards(C.DEFAULT_SEGMENTS)
         for name, comps in C.DEFAULT_SEGMENTS.items():
             start = utc_now()
             t0 = time.perf_counter()
             seg = _Segment(model, comps, targets, cfg.group_size, device, gen)
-            (tmp / name).mkdir()
-            size, sha = write_safetensors_stream(tmp / name / "model.safetensors", seg.plan, seg.tensors(),
-                                                 {"format": "pt", "orin_segment": name, "orin_synthetic": "random"})
-            atomic_write_json(tmp / name / "config.json", data)
-            atomic_write_json(tmp / name / "quantize_config.json", {
-                "bits": spec.bits, "group_size": spec.group_size, "desc_act": False, "sym": False,
-                "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32",
-                "quantizer": "synthetic-random", "tool": f"orin-omni {__version__}", "segment": name,
-                "components": list(comps), "modules": [t.path for t in seg.targets],
-            })
-            files = (FileEntry(f"{name}/model.safetensors", size, sha),
-                     file_entry(tmp, f"{name}/config.json"), file_entry(tmp, f"{name}/quantize_config.json"))
+            size, sha = write_safetensors_stream(tmp / shards[name], seg.plan, seg.tensors(),
+                                                 {"format": "pt", "orin_synthetic": "random"})
+            files = (FileEntry(shards[name], size, sha),)
             payload = sum(p.nbytes for p in seg.plan)
             segments[name] = SegmentEntry(
                 name=name, components=comps, files=files, total_bytes=sum(f.bytes for f in files),
@@ -414,6 +326,7 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
             )
             log(f"segment {name}: {len(seg.plan)} tensors, {payload / 2**30:.2f} GiB in "
                 f"{time.perf_counter() - t0:.1f} s")
+        write_index(tmp, list(shards.values()))
         manifest = Manifest(
             tool_version=__version__, created_at=utc_now(),
             source={"model_dir": f"synthetic:{cfg.config}", "config_sha256": _sha_of(shared, "config.json")},

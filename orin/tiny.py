@@ -163,11 +163,11 @@ def tiny_config_dict() -> dict:
 def build_tiny_model(seed: int = 0):
     """The tiny model in memory, every parameter initialised deterministically from `seed`."""
     import torch
-    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from .modelcfg import fix_config
+    from .modelcfg import fix_config, new_config
 
-    config = fix_config(Qwen3OmniMoeConfig(**tiny_config_dict()))
+    config = fix_config(new_config(tiny_config_dict()))
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config)
     _fix_init(model, seed)

@@ -13,7 +13,6 @@ fused tensors, and what happens between two layers (the thinker's DeepStack visu
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from orin.errors import OrinError, UsageError
@@ -22,11 +21,6 @@ from orin.layout import Target
 PINNED = {"gptqmodel": "7.6.0", "transformers": "5.23.0"}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-
-# Linears allowed to be stored zero-padded when the group size does not divide in_features: the vision MLP's
-# linear_fc2 (4304 wide in the real model) is the designed exception; anywhere else a non-dividing group size
-# is refused (it would silently inflate the checkpoint).
-PADDABLE = re.compile(r"^thinker\.model\.visual\.blocks\.\d+\.mlp\.linear_fc2$")
 
 _ATTN_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _ATTN_O = ("self_attn.o_proj",)
@@ -156,8 +150,9 @@ def layer_stages(stack: StackSpec, index: int, targets: list[Target]) -> list[li
 
 def check_group_size(targets: list[Target], group_size: int, bits: int) -> None:
     """Refuse parameters the INT4 kernels cannot run: bits other than 4, group sizes they cannot tile, and a
-    group size that does not divide the in_features of the model's main layers (padding is only designed for
-    the vision MLP's linear_fc2)."""
+    group size that does not divide the in_features of every quantized layer (vLLM's GPTQ kernels refuse such a
+    layer, and the device would pad it at every load; the vision MLP's 4304-wide linear_fc2, which no group size
+    divides, stays BF16 for that reason)."""
     if bits != 4:
         raise UsageError(f"--bits {bits} is not supported: the checkpoint format and the device kernels are 4-bit "
                          "(use --bits 4)")
@@ -167,7 +162,7 @@ def check_group_size(targets: list[Target], group_size: int, bits: int) -> None:
     bad: dict[int, list[str]] = {}
     for t in targets:
         for suffix, k, _n, _b in t.linears()[:3]:  # an experts target's linears repeat per expert
-            if k % group_size and not PADDABLE.match(t.path):
+            if k % group_size:
                 bad.setdefault(k, []).append(t.path + suffix)
     if bad:
         k, paths = min(bad.items())

@@ -23,10 +23,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import adapters as A
+
+if TYPE_CHECKING:
+    from .calibration import PassResult
 
 
 class StopForward(Exception):
@@ -171,33 +175,48 @@ _THINKER_FIRST_LAYER = {
 }
 
 
+_THINKER_NEEDS = {"thinker_text": "text", "vision_encoder": "image", "audio_encoder": "audio"}
+
+
 @torch.no_grad()
-def capture_thinker_pass(model, samples, stacks: set[str], reference: bool
-                         ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs]]:
+def capture_thinker_pass(model, samples, stacks: set[str], reference: bool, runner
+                         ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs], PassResult | None]:
     """First-layer calls of the thinker-side stacks in `stacks`, and (reference=True) the BF16 outputs of the
-    held-out samples, by sample name. Calibration-only conversations stop at the text decoder's first layer:
-    the encoders run before it, and nothing after it is needed."""
+    held-out samples, by sample name, through `runner` (a calibration.PassRunner: conversations the model fails
+    on are skipped). Calibration-only conversations stop at the text decoder's first layer: the encoders run
+    before it, and nothing after it is needed. No pass (None) when nothing is wanted from it."""
+    from orin.components import BY_NAME
+
     wanted = {s: model.get_submodule(p) for s, p in _THINKER_FIRST_LAYER.items() if s in stacks}
     data = {s: StackData() for s in wanted}
     refs: dict[str, ThinkerOutputs] = {}
+    if not wanted and not reference:
+        return data, refs, None
     language_model = model.get_submodule(A.STACK_OF["thinker_text"].layers.rsplit(".", 1)[0])
     decoder_start = model.get_submodule(_THINKER_FIRST_LAYER["thinker_text"])
-    for sample in samples:
-        keep_outputs = reference and sample.heldout
-        if not wanted and not keep_outputs:
-            continue
+
+    def work(sample, heldout: bool):
+        keep_outputs = reference and heldout
         with record_first_calls(wanted) as calls, \
                 record_kwargs(language_model, ("visual_pos_masks", "deepstack_visual_embeds")) as deepstack:
             if keep_outputs:
-                refs[sample.name] = run_thinker(model, sample.inputs)
+                outputs = run_thinker(model, sample.inputs)
             else:
-                _first_layer_calls(decoder_start, lambda s=sample: model.thinker(**s.inputs, use_cache=False))
-        for stack, stack_calls in calls.items():
-            for call in stack_calls:
-                if stack == "thinker_text" and deepstack and deepstack[0]["deepstack_visual_embeds"] is not None:
-                    call.extra.update(deepstack[0])
-                data[stack].add(call, sample.heldout)
-    return data, refs
+                _first_layer_calls(decoder_start, lambda: model.thinker(**sample.inputs, use_cache=False))
+
+        def commit():
+            if keep_outputs:
+                refs[sample.name] = outputs
+            for stack, stack_calls in calls.items():
+                for call in stack_calls:
+                    if stack == "thinker_text" and deepstack and deepstack[0]["deepstack_visual_embeds"] is not None:
+                        call.extra.update(deepstack[0])
+                    data[stack].add(call, heldout)
+        return commit
+
+    result = runner.run("thinker", samples, work, None if wanted else 0,
+                        {BY_NAME[s].title: _THINKER_NEEDS[s] for s in wanted})
+    return data, refs, result
 
 
 # ---------------------------------------------------------------------- the speech pass
@@ -246,27 +265,78 @@ def _stop_at(module: torch.nn.Module | None) -> Iterator[None]:
         handle.remove()
 
 
+@contextlib.contextmanager
+def keep_results(module: torch.nn.Module, into: list) -> Iterator[None]:
+    """Keep what module.generate() returns: generate(return_audio=True) hands the thinker's and the talker's
+    results only to its own code, and they tell an empty reply from a real one."""
+    original = module.generate
+    shadowed = module.__dict__.get("generate")
+
+    def generate(*args, **kwargs):
+        result = original(*args, **kwargs)
+        into.append(result)
+        return result
+
+    module.generate = generate  # an instance attribute: the model's generate() calls it instead of the method
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del module.generate
+        else:
+            module.generate = shadowed
+
+
+def _empty_reply(model, sample, thinker_results: list, talker_results: list) -> str | None:
+    """Why the reply has nothing to calibrate the speech stacks on, or None."""
+    if thinker_results:
+        reply = thinker_results[-1].sequences[0, sample.prompt_inputs["input_ids"].shape[1]:]
+        if not len(reply) or int(reply[0]) == model.config.im_end_token_id:
+            return "the thinker's reply is empty (it ended at once)"
+    if talker_results:
+        codes = talker_results[-1].sequences[0]
+        if not len(codes) or int(codes[0]) == model.config.talker_config.codec_eos_token_id:
+            return "the talker spoke no frame (its codec EOS came first)"
+    return None
+
+
 @torch.no_grad()
 def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool = True):
     """Greedy generate(return_audio=True) for one sample, recording the speech stacks' inputs. Returns the talker
     sequence, the code predictor's sequences (each [1, L, H]) and code2wav pre-transformer chunks (none when
-    decode_audio is False: generate() then stops once the talker is done)."""
+    decode_audio is False: generate() then stops once the talker is done). UnusableConversation when the thinker
+    or the talker replies with nothing (transformers' generate() itself fails on a talker that speaks no frame:
+    RuntimeError "stack expects a non-empty TensorList")."""
+    from .calibration import UnusableConversation
+
     talker_model = model.talker.model
     predictor_model = model.talker.code_predictor.model
     pre_transformer = model.code2wav.pre_transformer
     speakers = sorted(model.config.talker_config.speaker_id)
     speaker = speakers[sample.index % len(speakers)] if speakers else "ethan"
-    with quiet_generation(), record_kwargs(talker_model, ("inputs_embeds", "position_ids")) as talker_calls, \
-            record_kwargs(predictor_model, ("inputs_embeds",)) as predictor_calls, \
-            record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls, \
-            _stop_at(None if decode_audio else model.code2wav):
-        model.generate(
-            **sample.prompt_inputs, speaker=speaker, return_audio=True,
-            thinker_max_new_tokens=settings.thinker_new_tokens, thinker_do_sample=False,
-            thinker_eos_token_id=model.config.im_end_token_id,
-            talker_max_new_tokens=settings.talker_new_tokens, talker_min_new_tokens=settings.talker_min_new_tokens,
-            talker_do_sample=False,
-        )
+    thinker_results: list = []
+    talker_results: list = []
+    try:
+        with quiet_generation(), record_kwargs(talker_model, ("inputs_embeds", "position_ids")) as talker_calls, \
+                record_kwargs(predictor_model, ("inputs_embeds",)) as predictor_calls, \
+                record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls, \
+                keep_results(model.thinker, thinker_results), keep_results(model.talker, talker_results), \
+                _stop_at(None if decode_audio else model.code2wav):
+            model.generate(
+                **sample.prompt_inputs, speaker=speaker, return_audio=True,
+                thinker_max_new_tokens=settings.thinker_new_tokens, thinker_do_sample=False,
+                thinker_eos_token_id=model.config.im_end_token_id,
+                talker_max_new_tokens=settings.talker_new_tokens,
+                talker_min_new_tokens=settings.talker_min_new_tokens, talker_do_sample=False,
+            )
+    except (RuntimeError, ValueError, IndexError) as exc:
+        empty = _empty_reply(model, sample, thinker_results, talker_results)
+        if empty is not None:
+            raise UnusableConversation(empty) from exc
+        raise
+    empty = _empty_reply(model, sample, thinker_results, talker_results)
+    if empty is not None:
+        raise UnusableConversation(empty)
     if not talker_calls:
         raise RuntimeError("generate(return_audio=True) never ran the talker")
     talker = TalkerSequence(
@@ -297,23 +367,23 @@ def talker_codes(model, seq: TalkerSequence, layer0: torch.nn.Module | None = No
 
 
 @torch.no_grad()
-def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettings, reference: bool
-                        ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]]]:
+def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettings, reference: bool, runner
+                        ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]], PassResult]:
     """First-layer calls of the speech stacks in `stacks` and (reference=True) each held-out sample's talker
-    sequence with its BF16 teacher-forced codec tokens."""
+    sequence with its BF16 teacher-forced codec tokens, through `runner` (see capture_thinker_pass): every
+    held-out sample and up to settings.max_conversations in all."""
+    from orin.components import BY_NAME
+
     data = {s: StackData() for s in A.SPEECH_PASS if s in stacks}
     refs: dict[str, tuple[TalkerSequence, torch.Tensor]] = {}
     talker_layer0 = model.get_submodule(f"{A.STACK_OF['talker'].layers}.0")
-    heldout = [s for s in samples if s.heldout]
-    calib = [s for s in samples if not s.heldout][: max(1, settings.max_conversations - len(heldout))]
-    for sample in calib + heldout:
+
+    def work(sample, heldout: bool):
         talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data)
-        if "talker" in data or (reference and sample.heldout):
-            codes, calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
-            for call in calls:
-                data["talker"].add(call, sample.heldout)
-            if reference and sample.heldout:
-                refs[sample.name] = (talker, codes)
+        talker_calls, codes = [], None
+        if "talker" in data or (reference and heldout):
+            codes, talker_calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
+        predictor_calls = []
         if "code_predictor" in data:
             layer0 = model.get_submodule(f"{A.STACK_OF['code_predictor'].layers}.0")
             by_len: dict[int, list[torch.Tensor]] = {}
@@ -321,16 +391,28 @@ def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettin
                 by_len.setdefault(s.shape[1], []).append(s)
             for group in by_len.values():
                 batch = torch.cat(group, dim=0)
-                for call in _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
-                        inputs_embeds=b, use_cache=False)):
-                    data["code_predictor"].add(call, sample.heldout)
+                predictor_calls += _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
+                    inputs_embeds=b, use_cache=False))
+        code2wav_calls = []
         if "code2wav" in data:
             layer0 = model.get_submodule(f"{A.STACK_OF['code2wav'].layers}.0")
             for chunk in code2wav:
-                for call in _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
-                        inputs_embeds=c, use_cache=False)):
-                    data["code2wav"].add(call, sample.heldout)
-    return data, refs
+                code2wav_calls += _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
+                    inputs_embeds=c, use_cache=False))
+
+        def commit():
+            for stack, calls in (("talker", talker_calls), ("code_predictor", predictor_calls),
+                                 ("code2wav", code2wav_calls)):
+                for call in calls:
+                    data[stack].add(call, heldout)
+            if reference and heldout:
+                refs[sample.name] = (talker, codes)
+        return commit
+
+    heldout = sum(s.heldout for s in samples)
+    result = runner.run("speech", samples, work, max(1, settings.max_conversations - heldout),
+                        {BY_NAME[s].title: "text" for s in data})
+    return data, refs, result
 
 
 # ---------------------------------------------------------------------- per layer

@@ -51,7 +51,7 @@ def import_gptq():
 
 @dataclass
 class QuantResult:
-    """4-bit codes of one [N, K] weight with per-group asymmetric scales and zero points."""
+    """4-bit codes of one [N, K] weight with per-group scales and zero points (8 everywhere when symmetric)."""
 
     codes: torch.Tensor  # uint8 [N, K] (unpadded)
     zeros: torch.Tensor  # uint8 [G, N]
@@ -75,16 +75,19 @@ class QuantResult:
 class GPTQSolver:
     """GPTQ for one run's parameters (bits, group size, damping) on one device."""
 
-    def __init__(self, bits: int, group_size: int, damp: float = DEFAULT_DAMP, device: str | torch.device = "cpu"):
+    def __init__(self, bits: int, group_size: int, damp: float = DEFAULT_DAMP, device: str | torch.device = "cpu",
+                 sym: bool = True):
         gptq_cls, config_factory = import_gptq()
         self._gptq = gptq_cls
         self.group_size = group_size
         self.bits = bits
+        self.sym = sym
         self.device = torch.device(device)
-        # Plain GPTQ in natural column order (desc_act=False, no group-aware reordering), asymmetric, so g_idx
-        # is arange(K)//g as the device kernels need. GPTQModel's own low-sample fallback is off: the caller
-        # decides per expert (see quantize/sequential.py), and the report lists those decisions.
-        self.qcfg = config_factory(bits=bits, group_size=group_size, sym=False, desc_act=False,
+        # Plain GPTQ in natural column order (desc_act=False, no group-aware reordering), so g_idx is
+        # arange(K)//g as the device kernels need; symmetric by default, the only 4-bit GPTQ vLLM's kernels take.
+        # GPTQModel's own low-sample fallback is off: the caller decides per expert (see quantize/sequential.py),
+        # and the report lists those decisions.
+        self.qcfg = config_factory(bits=bits, group_size=group_size, sym=sym, desc_act=False,
                                    act_group_aware=False, damp_percent=damp, fallback=None,
                                    offload_to_disk=False, mse=0.0)
 
@@ -137,9 +140,9 @@ class GPTQTask:
                            "gptq", int(nsamples))
 
 
-def rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantResult:
+def rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> QuantResult:
     """Round-to-nearest with the same grid (the baseline GPTQ has to beat)."""
-    packed = quantize_rtn(weight.detach().float(), bits, group_size)
+    packed = quantize_rtn(weight.detach().float(), bits, group_size, sym=sym)
     codes, zeros, scales, g = unpack_gptq_v1(packed)
     return QuantResult(codes[:, : weight.shape[1]].contiguous(), zeros, scales, g, "rtn")
 

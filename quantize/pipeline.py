@@ -1,16 +1,20 @@
-"""`orin-omni quantize`: GPTQ INT4 of Qwen3-Omni, one segment directory at a time, resumable.
+"""`orin-omni quantize`: GPTQ INT4 of Qwen3-Omni, one segment (one shard of a standard GPTQ directory, see
+orin.checkpoint_layout) at a time, resumable.
 
 Order of work: validate everything that can be validated cheaply (the model dir, the split, bits and group
 size against the model's dims, the output dir, every calibration entry and its media) before loading weights;
 run the BF16 model once over the calibration set (the thinker pass and, when a speech-side stack is needed, the
 speech pass: see quantize/capture.py); then, per unfinished segment in split order: GPTQ its stacks layer by
-layer (quantize/sequential.py), measure it against BF16 on held-out conversations, write OUT/<segment>/
-atomically and only then add its manifest entry and its report.
+layer (quantize/sequential.py), measure it against BF16 on held-out conversations, write its shard atomically
+and only then add its manifest entry and its report. A conversation the processor cannot encode or
+the model fails on in a pass is skipped with a warning and listed in the report (quantize/calibration.py says
+when too few are left).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -22,8 +26,11 @@ from orin import components as C
 from orin.errors import InputError, ModelError, UsageError
 from orin.layout import QuantSpec
 from orin.manifest import (
+    SCHEMA_VERSION,
     Manifest,
     SegmentEntry,
+    check_served_name,
+    default_served_name,
     read_manifest,
     remove_segment_entry,
     utc_now,
@@ -32,6 +39,7 @@ from orin.manifest import (
     write_segment_entry,
 )
 
+from .calibration import BUILTIN_SOURCE, Skips
 from .progress import Progress
 
 DEFAULT_SAMPLES = 128
@@ -62,6 +70,8 @@ class QuantConfig:
     talker_min_new_tokens: int = 0
     speech_samples: int = 32  # speech pass: conversations run through generate() (plus the held-out ones)
     force: bool = False
+    sym: bool = True  # symmetric 4-bit: what vLLM's GPTQ kernels take; --asym measures lower error on some layers
+    served_model_name: str | None = None  # the model id `serve` answers to; None: qwen3-omni-int<bits>
     progress: bool | None = None  # None: bars when stderr is a terminal
 
     @property
@@ -69,7 +79,8 @@ class QuantConfig:
         return QuantSpec(bits=self.bits, group_size=self.group_size,
                          quantize_audio_encoder=self.quantize_audio_encoder,
                          quantize_code_predictor=self.quantize_code_predictor,
-                         quantize_code2wav=self.quantize_code2wav, quantize_lm_head=self.quantize_lm_head)
+                         quantize_code2wav=self.quantize_code2wav, quantize_lm_head=self.quantize_lm_head,
+                         sym=self.sym)
 
 
 def quantizer_name() -> str:
@@ -109,6 +120,10 @@ def _exclusive(out: Path):
 def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
     out, split = plan["out"], plan["split"]
     manifest, wipe = _resume_state(cfg, out, plan["config_sha"], split)
+    if manifest is not None and cfg.served_model_name not in (None, manifest.served_model_name):
+        # The name is the checkpoint's label, not a quantization setting: renaming never redoes a segment.
+        manifest = dataclasses.replace(manifest, served_model_name=cfg.served_model_name)
+        write_manifest(out, manifest)
     finished = manifest.segments if manifest is not None else {}
     todo = [n for n in plan["names"] if cfg.force or n not in finished]
     done = [n for n in plan["names"] if n not in todo]
@@ -117,13 +132,17 @@ def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
         log.log(f"skipping finished segment(s) {', '.join(done)} (checksums verified; --force redoes them)")
     if not todo:
         return manifest
-    # Every calibration entry and its media are checked before anything in OUT changes.
+    # Every calibration entry and its media are checked, and every conversation encoded, before anything in OUT
+    # changes.
     convs = _calibration(cfg, log)
     comps = {c for n in todo for c in split[n]}
     _check_modalities(cfg, convs, comps)
+    skips = Skips(log.log)
+    samples = _encode(cfg, plan, convs, skips)
+    _check_modalities(cfg, samples, comps, skipped=len(skips.items))
     if manifest is None:
-        manifest = _create_out(cfg, out, plan["model_dir"], plan["config_sha"], split, wipe)
-    session = _Session.start(cfg, plan, comps, convs, log)
+        manifest = _create_out(cfg, plan, wipe)
+    session = _Session.start(cfg, plan, comps, samples, skips, log)
     for name in todo:
         if name in manifest.segments:
             manifest = remove_segment_entry(out, name)
@@ -138,8 +157,7 @@ class _Session:
     cfg: QuantConfig
     plan: dict
     log: Progress
-    convs: list
-    heldout: set
+    calibration: dict  # the split into calibration and held-out conversations, the passes and the skips
     model: object
     samples: list
     targets: list
@@ -151,28 +169,33 @@ class _Session:
     talker_refs: dict
 
     @classmethod
-    def start(cls, cfg: QuantConfig, plan: dict, comps: set[str], convs: list, log: Progress) -> _Session:
+    def start(cls, cfg: QuantConfig, plan: dict, comps: set[str], samples: list, skips: Skips, log: Progress
+              ) -> _Session:
         import torch
 
         from orin.layout import find_targets
-        from orin.tiny import build_processor
 
         from . import adapters as A
-        from .calibration import holdout_count, split_heldout, to_samples
+        from .calibration import PassRunner
         from .capture import SpeechSettings, capture_speech_pass, capture_thinker_pass
 
-        heldout = split_heldout(convs, holdout_count(len(convs)))
+        calibration = _calib_info(cfg, samples)
         torch.manual_seed(cfg.seed)
         device = plan["device"]
         model = _load_model(plan["model_dir"], plan["config"], device)
-        samples = to_samples(build_processor(plan["model_dir"]), convs, heldout, device)
         targets = find_targets(model, cfg.spec)
         by_stack, tail = A.group_targets(targets)
         stacks = {s for s in by_stack if s in comps} | ({"thinker_text"} & comps if tail else set())
-        log.log(f"calibration: {len(samples) - len(heldout)} conversations, {len(heldout)} held out for the "
-                f"report; device {device}")
+        log.log(f"calibration: {calibration['conversations']} conversations, {calibration['heldout']} held out for "
+                f"the report; device {device}")
+        runner = PassRunner(_source(cfg), skips, log)
+        passes: dict = {}
         thinker_side = bool(comps & {"thinker_text", "vision_encoder", "audio_encoder"})
-        data, thinker_refs = capture_thinker_pass(model, samples, stacks & set(A.THINKER_PASS), thinker_side)
+        data, thinker_refs, thinker_pass = capture_thinker_pass(model, samples, stacks & set(A.THINKER_PASS),
+                                                                thinker_side, runner)
+        if thinker_pass is not None:
+            passes["thinker"] = thinker_pass.to_json()
+            samples = [s for s in samples if s not in thinker_pass.skipped]  # a broken conversation stays out
         talker_refs: dict = {}
         if stacks & set(A.SPEECH_PASS) or "talker" in comps:
             if not getattr(model, "has_talker", False):
@@ -181,14 +204,18 @@ class _Session:
             log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
             settings = SpeechSettings(cfg.thinker_new_tokens, cfg.talker_new_tokens, cfg.talker_min_new_tokens,
                                       cfg.speech_samples)
-            speech, talker_refs = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS), settings,
-                                                      "talker" in comps)
+            speech, talker_refs, speech_pass = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS),
+                                                                   settings, "talker" in comps, runner)
+            passes["speech"] = speech_pass.to_json()
             data.update(speech)
-        return cls(cfg, plan, log, convs, heldout, model, samples, targets, by_stack, tail, stacks, data,
+        if skips.items:
+            log.log(f"{len(skips.items)} calibration conversation(s) skipped; report.json lists them with the reasons")
+        calibration.update(passes=passes, **skips.to_json())
+        return cls(cfg, plan, log, calibration, model, samples, targets, by_stack, tail, stacks, data,
                    thinker_refs, talker_refs)
 
     def quantize_segment(self, name: str, comps: tuple[str, ...]) -> Manifest:
-        """GPTQ the segment's stacks in pipeline order, measure it, write OUT/<name>/, then add its entry."""
+        """GPTQ the segment's stacks in pipeline order, measure it, write its shard, then add its entry."""
         from . import adapters as A
         from .gptq import GPTQSolver
         from .report import segment_report, update_report
@@ -197,27 +224,27 @@ class _Session:
         cfg = self.cfg
         started = utc_now()
         self.log.log(f"segment {name}: {' + '.join(comps)}")
-        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, next(self.model.parameters()).device)
-        opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts)
+        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, next(self.model.parameters()).device, cfg.sym)
+        opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts, cfg.sym)
         tensors, types, starved, quantized = {}, {}, [], []
         for comp in (c for c in C.PIPELINE if c in comps and c in self.stacks):
             stack_data = self.data.get(comp)
             if stack_data is None or not stack_data.calib:
-                raise InputError(f"{cfg.calib or 'the built-in calibration set'}: no calibration input reached the "
+                raise InputError(f"{_source(cfg)}: no calibration input reached the "
                                  f"{C.BY_NAME[comp].title}; add conversations that use it")
             result = StackQuantizer(self.model, A.STACK_OF[comp], solver, opts, self.log).run(
                 self.by_stack.get(comp, {}), self.tail if comp == "thinker_text" else [], stack_data,
-                f"{name}/{comp}")
+                f"GPTQ {name}/{comp}")
             tensors.update(result.tensors)
             types.update(result.types)
             starved += result.starved
             quantized += result.quantized
         metrics = _metrics(self.model, self.samples, tuple(c for c in comps if c in self.stacks), self.thinker_refs,
                            self.talker_refs)
-        calibration = _calib_info(cfg, self.convs, self.heldout)
+        calibration = self.calibration
         done = set(quantized)
         entry = _write(Path(cfg.out), name, comps, self.model, [t for t in self.targets if t.path in done], tensors,
-                       cfg, started, {"calibration": calibration})
+                       cfg, started, {"calibration": calibration}, self.plan["targets"])
         manifest = write_segment_entry(cfg.out, entry)
         update_report(cfg.out, name, segment_report(types, starved, metrics, calibration),
                       {"model": str(self.plan["model_dir"]), "quantization": cfg.spec.describe(),
@@ -236,6 +263,8 @@ def _validate(cfg: QuantConfig) -> dict:
     from .adapters import check_group_size
     from .sequential import STARVED_POLICIES
 
+    if cfg.served_model_name is not None:
+        check_served_name(cfg.served_model_name)
     if cfg.samples < 2:
         raise UsageError(f"--samples {cfg.samples}: need at least 2 (one to calibrate, one held out for the report)")
     if cfg.starved_experts not in STARVED_POLICIES:
@@ -255,14 +284,16 @@ def _validate(cfg: QuantConfig) -> dict:
     from orin.layout import find_targets
     from orin.plan import meta_model
 
-    check_group_size(find_targets(meta_model(config), cfg.spec), cfg.group_size, cfg.bits)
+    skeleton = meta_model(config)
+    targets = find_targets(skeleton, cfg.spec)
+    check_group_size(targets, cfg.group_size, cfg.bits)
     device = _device(cfg.device)
     config_sha = hashlib.sha256(config_path(model_dir).read_bytes()).hexdigest()
     out = Path(cfg.out)
     if out.resolve() == model_dir.resolve():
         raise UsageError("--out must not be the model directory")
     return {"split": split, "names": names, "model_dir": model_dir, "config": config, "config_sha": config_sha,
-            "out": out, "device": device}
+            "out": out, "device": device, "skeleton": skeleton, "targets": targets}
 
 
 def _quantization(cfg: QuantConfig) -> dict:
@@ -285,6 +316,12 @@ def _resume_state(cfg: QuantConfig, out: Path, config_sha: str, split: dict) -> 
     (--force with other settings). Writes nothing."""
     if (out / "manifest.json").is_file():
         manifest = read_manifest(out)
+        if manifest.schema_version != SCHEMA_VERSION:
+            if not cfg.force:
+                raise UsageError(f"{out} holds an orin-omni 0.1 checkpoint (per-segment directories); quantize writes "
+                                 f"the standard layout and cannot resume it: convert it without re-quantizing "
+                                 f"(orin-omni convert {out} --out NEW), or pass --force to start over")
+            return None, True
         differs = _same_settings(manifest, cfg, config_sha, split)
         if differs is None:
             return manifest, False
@@ -297,25 +334,32 @@ def _resume_state(cfg: QuantConfig, out: Path, config_sha: str, split: dict) -> 
     return None, False
 
 
-def _create_out(cfg: QuantConfig, out: Path, model_dir: Path, config_sha: str, split: dict, wipe: bool) -> Manifest:
-    """A fresh manifest with no finished segment, the shared files copied beside it."""
+def _create_out(cfg: QuantConfig, plan: dict, wipe: bool) -> Manifest:
+    """A fresh manifest with no finished segment, the shared files copied and config.json written beside it.
+    config.json's quantization_config names every INT4 module of the whole split, decided here before any GPTQ:
+    each segment writes exactly its share of them (checked in _write)."""
+    from orin.checkpoint_layout import INDEX_NAME, model_quantization_config
+
     from .report import drop_segments
     from .writer import copy_shared_files
 
+    out, model_dir, split = plan["out"], plan["model_dir"], plan["split"]
     if wipe:
         old = read_manifest(out)
-        remove = Manifest(**{**{f: getattr(old, f) for f in ("tool_version", "created_at", "source", "quantization",
-                                                               "split", "shared_files")}, "segments": {}})
-        write_manifest(out, remove)  # first unmark every segment, then delete their directories
+        write_manifest(out, dataclasses.replace(old, segments={}))  # first unmark every segment, then delete
         for name in old.split:
-            if (out / name).is_dir():
+            if (out / name).is_dir():  # an orin-omni 0.1 segment directory
                 shutil.rmtree(out / name)
+        for shard in [*out.glob("model-*-of-*.safetensors"), out / INDEX_NAME]:
+            shard.unlink(missing_ok=True)
         drop_segments(out, set())
+    qconfig = model_quantization_config(plan["skeleton"], cfg.spec, plan["targets"], cfg.damp, quantizer_name())
     manifest = Manifest(
         tool_version=__version__, created_at=utc_now(),
-        source={"model_dir": str(model_dir.resolve()), "config_sha256": config_sha},
+        source={"model_dir": str(model_dir.resolve()), "config_sha256": plan["config_sha"]},
         quantization=_quantization(cfg), split={k: tuple(v) for k, v in split.items()},
-        shared_files=tuple(copy_shared_files(model_dir, out)), segments={},
+        shared_files=tuple(copy_shared_files(model_dir, out, qconfig)), segments={},
+        served_model_name=cfg.served_model_name or default_served_name(cfg.bits),
     )
     write_manifest(out, manifest)
     return manifest
@@ -339,19 +383,39 @@ def _calibration(cfg: QuantConfig, log: Progress) -> list:
     return convs[: cfg.samples]
 
 
-def _check_modalities(cfg: QuantConfig, convs: list, comps: set[str]) -> None:
+def _check_modalities(cfg: QuantConfig, convs: list, comps: set[str], skipped: int = 0) -> None:
+    """`convs`: conversations or the samples encoded from them, once `skipped` ones were skipped."""
     have = set().union(*(c.modalities for c in convs))
+    left = f" left once {skipped} that cannot be encoded were skipped" if skipped else ""
     if "vision_encoder" in comps and "image" not in have:
-        raise InputError(f"{cfg.calib}: no conversation has an image, so the vision encoder cannot be calibrated; "
-                         "add image entries (or leave its segment out of --segments)")
+        raise InputError(f"{_source(cfg)}: no conversation{left} has an image, so the vision encoder cannot be "
+                         "calibrated; add image entries (or leave its segment out of --segments)")
     if "audio_encoder" in comps and cfg.quantize_audio_encoder and "audio" not in have:
-        raise InputError(f"{cfg.calib}: no conversation has audio, so the audio encoder cannot be calibrated; "
-                         "add audio entries or drop --quantize-audio-encoder")
+        raise InputError(f"{_source(cfg)}: no conversation{left} has audio, so the audio encoder cannot be "
+                         "calibrated; add audio entries or drop --quantize-audio-encoder")
 
 
-def _calib_info(cfg: QuantConfig, convs: list, heldout: set[int]) -> dict:
-    return {"source": cfg.calib or "built-in synthetic set", "conversations": len(convs) - len(heldout),
-            "heldout": len(heldout), "heldout_names": [convs[i].name for i in sorted(heldout)]}
+def _source(cfg: QuantConfig) -> str:
+    return cfg.calib or BUILTIN_SOURCE
+
+
+def _encode(cfg: QuantConfig, plan: dict, convs: list, skips: Skips) -> list:
+    """The conversations as model inputs on the device, the held-out ones marked; those the processor cannot
+    encode are skipped."""
+    from orin.tiny import build_processor
+
+    from .calibration import hold_out, to_samples
+
+    samples = to_samples(build_processor(plan["model_dir"]), convs, plan["device"], skips)
+    hold_out(_source(cfg), convs, samples, skips)
+    return samples
+
+
+def _calib_info(cfg: QuantConfig, samples: list) -> dict:
+    """The planned split; report.json adds what each pass used and what was skipped."""
+    heldout = [s.name for s in samples if s.heldout]
+    return {"source": cfg.calib or "built-in synthetic set", "conversations": len(samples) - len(heldout),
+            "heldout": len(heldout), "heldout_names": heldout}
 
 
 # ---------------------------------------------------------------------- model
@@ -407,15 +471,25 @@ def _metrics(model, samples, comps: tuple[str, ...], thinker_refs: dict, talker_
 
 
 def _write(out: Path, name: str, comps: tuple[str, ...], model, targets: list, tensors: dict, cfg: QuantConfig,
-           started: str, extra: dict) -> SegmentEntry:
-    """Write the segment's directory; `targets` are the INT4 modules quantized in it (model order)."""
-    from .writer import quantize_config, segment_state, write_segment
+           started: str, extra: dict, planned: list) -> SegmentEntry:
+    """Write the segment's shard; `targets` are the INT4 modules quantized in it (model order), which must be
+    the ones config.json's quantization_config promised (`planned`, the whole split's)."""
+    from orin.checkpoint_layout import segment_shards
 
+    from .writer import segment_state, write_shard
+
+    promised = {t.path for t in planned if t.component in comps}
+    if {t.path for t in targets} != promised:
+        missing = sorted(promised - {t.path for t in targets})
+        raise ModelError(f"segment {name}: {len(missing)} INT4 module(s) the checkpoint's quantization_config lists "
+                         f"were not quantized (e.g. {missing[:1]}); re-run with --force")
+    manifest = read_manifest(out)
+    shards = segment_shards(manifest.split)
+    finished = [shards[n] for n in manifest.finished if n != name]
     state = segment_state(model, comps, targets, tensors)
-    qconfig = quantize_config(name, comps, targets, cfg.group_size, cfg.bits, cfg.damp, quantizer_name())
-    files, payload = write_segment(out, name, state, Path(cfg.model) / "config.json", qconfig)
-    return SegmentEntry(name=name, components=tuple(comps), files=tuple(files),
-                        total_bytes=sum(f.bytes for f in files), int4_bytes=payload,
+    file, payload = write_shard(out, shards[name], state, finished)
+    return SegmentEntry(name=name, components=tuple(comps), files=(file,),
+                        total_bytes=file.bytes, int4_bytes=payload,
                         quantized_modules=tuple(t.path for t in targets), started_at=started, finished_at=utc_now(),
                         extra=extra)
 

@@ -9,7 +9,9 @@ that point (GPTQ runs layer by layer), so both numbers are what that layer adds.
 Per segment, end to end on the held-out conversations, teacher-forced: the thinker's logits cosine and top-1
 agreement against BF16, the talker's greedy codec-token agreement (its inputs built by BF16 generate()), and
 the cosine of the vision (and, if quantized, audio) encoder outputs. Starved experts are listed with their
-calibration token counts and how they were quantized.
+calibration token counts and how they were quantized. Each segment's "calibration" entry says which
+conversations calibrated and were held out (planned, then per pass) and lists the skipped ones ("skipped": origin,
+pass, reason; "skipped_counts" per pass).
 """
 
 from __future__ import annotations
@@ -116,15 +118,18 @@ def _fmt(x) -> str:
 
 
 def render_report(report: dict) -> str:
-    lines = [f"{'layer type':<36}{'modules':>8}{'GPTQ err':>10}{'RTN err':>10}{'GPTQ/RTN':>10}  (held-out output "
-             "error vs BF16)"]
+    sym = report.get("quantization", {}).get("sym")
+    other = "RTN asym" if sym else "RTN sym"
+    lines = [f"{'layer type':<36}{'modules':>8}{'GPTQ err':>10}{'RTN err':>10}{'GPTQ/RTN':>10}{other:>10}  (held-out "
+             f"output error vs BF16; {'symmetric' if sym else 'asymmetric'}, the last column with the other symmetry)"]
     lines.append("-" * len(lines[0]))
     starved_all = []
     for seg, entry in report.get("segments", {}).items():
         for name, t in entry.get("layer_types", {}).items():
             g, r = t.get("gptq_error"), t.get("rtn_error")
             ratio = f"{g / r:.2f}" if g is not None and r else "-"
-            lines.append(f"{name:<36}{t.get('modules', 0):>8}{_fmt(g):>10}{_fmt(r):>10}{ratio:>10}")
+            lines.append(f"{name:<36}{t.get('modules', 0):>8}{_fmt(g):>10}{_fmt(r):>10}{ratio:>10}"
+                         f"{_fmt(t.get('rtn_other_sym_error')):>10}")
         starved_all += [dict(s, segment=seg) for s in entry.get("starved_experts", [])]
     lines.append("")
     for seg, entry in report.get("segments", {}).items():
@@ -141,6 +146,15 @@ def render_report(report: dict) -> str:
                 parts.append(f"{enc} encoder output cosine {m[f'{enc}_cosine']:.5f} (relative error "
                              f"{_fmt(m.get(f'{enc}_relative_error'))})")
         lines.append(f"segment {seg}: " + ("; ".join(parts) if parts else "no end-to-end metric"))
+    skipped = {(k["origin"], k["pass"]): k["reason"] for entry in report.get("segments", {}).values()
+               for k in entry.get("calibration", {}).get("skipped", [])}
+    if skipped:
+        lines.append("")
+        lines.append(f"skipped calibration conversations: {len(skipped)}")
+        for (origin, stage), reason in list(skipped.items())[:10]:
+            lines.append(f"  {origin} ({stage}): {reason}")
+        if len(skipped) > 10:
+            lines.append(f"  ... and {len(skipped) - 10} more (see report.json)")
     if starved_all:
         lines.append("")
         lines.append(f"starved experts (fewer calibration tokens than the threshold): {len(starved_all)}")

@@ -34,6 +34,7 @@ class StackOptions:
     group_size: int = 128
     min_expert_tokens: int = 64
     starved: str = "all-tokens"
+    sym: bool = True
 
 
 @dataclass
@@ -42,12 +43,14 @@ class TypeStats:
 
     gptq: ErrorSums = field(default_factory=ErrorSums)
     rtn: ErrorSums = field(default_factory=ErrorSums)
+    rtn_other: ErrorSums = field(default_factory=ErrorSums)  # RTN with the other symmetry: the choice, measured
     modules: int = 0
     rtn_modules: int = 0  # quantized by RTN (starved experts with starved="rtn", or no calibration rows)
     calib_rows: int = 0
 
     def to_json(self) -> dict:
-        return {"gptq_error": self.gptq.relative, "rtn_error": self.rtn.relative, "modules": self.modules,
+        return {"gptq_error": self.gptq.relative, "rtn_error": self.rtn.relative,
+                "rtn_other_sym_error": self.rtn_other.relative, "modules": self.modules,
                 "rtn_modules": self.rtn_modules, "calib_rows": self.calib_rows, "heldout_rows": self.gptq.rows}
 
 
@@ -144,7 +147,7 @@ class StackQuantizer:
             for part in x:
                 task.add(part)
         rows = sum(p.shape[0] for p in x)
-        result = task.solve() if task.nsamples else rtn(weight, self.opts.bits, self.opts.group_size)
+        result = task.solve() if task.nsamples else rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
         self._record(layer_type, weight, result, torch.cat(xh) if xh else None, rows)
         module.weight.data.copy_(result.dequantize().to(module.weight.dtype))
         bias = module.bias.detach() if module.bias is not None else None
@@ -200,7 +203,8 @@ class StackQuantizer:
             up_task.adopt(gate_task)
             results = gate_task.solve(), up_task.solve()
         else:
-            results = rtn(gate_w, self.opts.bits, self.opts.group_size), rtn(up_w, self.opts.bits, self.opts.group_size)
+            results = (rtn(gate_w, self.opts.bits, self.opts.group_size, self.opts.sym),
+                       rtn(up_w, self.opts.bits, self.opts.group_size, self.opts.sym))
         rows = x.shape[0] if x is not None else 0
         for proj, w, r in (("gate_proj", gate_w, results[0]), ("up_proj", up_w, results[1])):
             self._record(A.layer_type(self.stack.label, m.name, proj), w, r, xh, rows)
@@ -217,7 +221,7 @@ class StackQuantizer:
             task.add(A.expert_intermediate(module, x, gate_q, up_q))
             result = task.solve()
         else:
-            result = rtn(down_w, self.opts.bits, self.opts.group_size)
+            result = rtn(down_w, self.opts.bits, self.opts.group_size, self.opts.sym)
         hh = A.expert_intermediate(module, xh, gate_q, up_q) if xh is not None and xh.shape[0] else None
         self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, result, hh,
                      x.shape[0] if x is not None else 0)
@@ -234,9 +238,11 @@ class StackQuantizer:
         if result.method == "rtn":
             stats.rtn_modules += 1
         if x_heldout is not None and x_heldout.shape[0]:
-            baseline = rtn(weight, self.opts.bits, self.opts.group_size)
+            baseline = rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
+            other = rtn(weight, self.opts.bits, self.opts.group_size, not self.opts.sym)
             stats.gptq.add(output_error(x_heldout, weight, result.dequantize()))
             stats.rtn.add(output_error(x_heldout, weight, baseline.dequantize()))
+            stats.rtn_other.add(output_error(x_heldout, weight, other.dequantize()))
 
     def _store(self, key: str, result: QuantResult, bias) -> None:
         for name, tensor in result.pack(bias).items():

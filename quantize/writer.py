@@ -1,6 +1,7 @@
-"""Writing the quantized checkpoint: the shared files copied once into OUT, and one directory per segment
-(OUT/<segment>/model.safetensors, config.json, quantize_config.json) built in OUT/.<segment>.tmp and renamed
-into place. The manifest entry that marks the segment finished is added afterwards by the caller."""
+"""Writing the quantized checkpoint in the standard layout of orin.checkpoint_layout: the source's tokenizer and
+processor files copied once, config.json with the quantization_config, then one shard per segment (written to a
+temporary file and renamed into place) and the index over the finished shards. The manifest entry that marks
+the segment finished is added afterwards by the caller."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from pathlib import Path
 
 import torch
 
-from orin import __version__
+from orin.checkpoint_layout import hub_state, write_config_files, write_index
 from orin.components import component_of
 from orin.errors import ModelError
-from orin.fsutil import atomic_dir, atomic_path, atomic_write_json
-from orin.layout import Target, padded
+from orin.fsutil import atomic_path
+from orin.layout import Target
 from orin.manifest import FileEntry, file_entry
 
-# Copied into OUT as they are, when present: what the loader needs to rebuild the processor and the config.
-SHARED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+# Copied into OUT as they are, when present: what the loader needs to rebuild the processor. config.json is
+# written (the source's plus quantization_config), not copied.
+SHARED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
                 "chat_template.json", "preprocessor_config.json", "processor_config.json",
                 "video_preprocessor_config.json", "orin_tiny.json")
-SEGMENT_FILES = ("model.safetensors", "config.json", "quantize_config.json")
 
 
 def shared_file_names(model_dir: Path) -> list[str]:
@@ -34,12 +35,17 @@ def shared_file_names(model_dir: Path) -> list[str]:
     return names
 
 
-def copy_shared_files(model_dir: Path, out: Path) -> list[FileEntry]:
+def copy_shared_files(model_dir: Path, out: Path, qconfig: dict) -> list[FileEntry]:
+    """The tokenizer and processor files copied, config.json and quantize_config.json written."""
     names = shared_file_names(model_dir)
     for name in names:
         with atomic_path(out / name) as tmp:
             shutil.copyfile(model_dir / name, tmp)
+    source = json.loads((model_dir / "config.json").read_text())
+    source.pop("quantization_config", None)
+    names += write_config_files(out, source, qconfig)
     return [file_entry(out, name) for name in names]
+
 
 
 def segment_state(model, components: tuple[str, ...], targets: list[Target], gptq_tensors: dict) -> dict:
@@ -64,30 +70,16 @@ def segment_state(model, components: tuple[str, ...], targets: list[Target], gpt
     return state
 
 
-def quantize_config(segment: str, components: tuple[str, ...], targets: list[Target], group_size: int, bits: int,
-                    damp: float, quantizer: str) -> dict:
-    linears = [t.path + suffix for t in targets for suffix, *_ in t.linears()]
-    pads = [{"module": t.path, "in_features": t.in_features, "stored_in_features": padded(t.in_features, group_size)}
-            for t in targets if t.kind == "linear" and t.in_features % group_size]
-    return {
-        "bits": bits, "group_size": group_size, "desc_act": False, "sym": False, "static_groups": False,
-        "true_sequential": True, "damp_percent": damp, "quant_method": "gptq", "checkpoint_format": "gptq",
-        "pack_dtype": "int32", "quantizer": quantizer, "tool": f"orin-omni {__version__}",
-        "segment": segment, "components": list(components),
-        "modules": [t.path for t in targets], "linears": linears, "padded": pads,
-    }
-
-
-def write_segment(out: Path, name: str, state: dict, config_file: Path, qconfig: dict) -> tuple[list[FileEntry], int]:
-    """Write OUT/<name>/ through OUT/.<name>.tmp; return its file entries and the tensor payload bytes."""
+def write_shard(out: Path, shard: str, state: dict, finished_shards: list[str]) -> tuple[FileEntry, int]:
+    """Write one segment's shard under hub names through a temporary file, then the index over it and the
+    shards already finished; return the shard's file entry and its tensor payload bytes."""
     from safetensors.torch import save_file
 
-    with atomic_dir(out / name) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "orin_segment": name})
-        shutil.copyfile(config_file, tmp / "config.json")
-        atomic_write_json(tmp / "quantize_config.json", qconfig)
-    payload = sum(t.numel() * t.element_size() for t in state.values())
-    return [file_entry(out, f"{name}/{f}") for f in SEGMENT_FILES], payload
+    tensors = hub_state(state)
+    with atomic_path(out / shard) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_index(out, list(dict.fromkeys([*finished_shards, shard])))
+    return file_entry(out, shard), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def read_json(path: Path) -> dict | None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-warnings.filterwarnings("ignore", message=".*rope_parameters.*")
 
 REAL_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
                            "qwen3-omni-30b-a3b-instruct.config.json")

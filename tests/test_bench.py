@@ -59,11 +59,11 @@ def test_safetensors_stream_matches_the_plan_and_hash(tmp_path):
 
     from safetensors import safe_open
 
-    from orin.synthetic import _Planned, write_safetensors_stream
+    from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
 
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.qweight": torch.arange(12, dtype=torch.int32).view(3, 4),
                "c": torch.ones(7, dtype=torch.float16)}
-    plan = [_Planned(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    plan = [PlannedTensor(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
     path = tmp_path / "x.safetensors"
     size, sha = write_safetensors_stream(path, plan, iter(tensors.items()), {"format": "pt"})
     assert size == path.stat().st_size and sha == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -263,3 +264,21 @@ def test_heap_frozen_once_after_captures_and_unfrozen_on_close(quantized_dir):
     finally:
         eng.close()
     assert not eng._heap_frozen and gc.get_freeze_count() == 0
+
+
+def test_prefetch_counts_the_prefetches_it_has_queued(quantized_dir):
+    """Two next components that each fit beside the stage but not together: only the first is prefetched (a
+    queued prefetch lands later, so the budget check must count it itself: on the H200 the 18 GiB run went over
+    its budget by prefetching code_predictor and code2wav together)."""
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=1 << 40))
+    try:
+        est = {c: s.runtime_int4_bytes for c, s in eng.sizes.components.items()}
+        eng._kv, eng._act, eng._resident_est, eng._margin = {}, {}, est, 0
+        eng.cfg = dataclasses.replace(eng.cfg, budget=est["thinker_text"] + est["code_predictor"] + est["code2wav"] - 1)
+        eng.loader.budget = eng.cfg.budget
+        eng._stage(("thinker_text",), next_comps=("code_predictor", "code2wav"))
+        eng.loader.ensure("code_predictor")  # waits for the prefetch
+        assert eng.loader.is_resident("code_predictor") and not eng.loader.is_resident("code2wav")
+        assert "code2wav" not in eng.loader._pending
+    finally:
+        eng.close()

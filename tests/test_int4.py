@@ -73,20 +73,21 @@ def _random_codes(N: int, K: int, g: int, gen: torch.Generator, sym: bool = Fals
 def test_pack_unpack_round_trip(K, N, g, sym):
     q, z, s = _random_codes(N, K, g, _gen(K + N))
     packed = pack_gptq_v1(q, z, s, g)
-    K_pad = pad_in_features(K, g)
-    assert packed["qweight"].shape == (K_pad // 8, N) and packed["qweight"].dtype == torch.int32
-    assert packed["qzeros"].shape == (K_pad // g, N // 8) and packed["qzeros"].dtype == torch.int32
+    # GPTQ tools' layout: qweight rows ceil(K/8), a partial last group, g_idx of length K (no padding to K_pad).
+    K_words, groups = -(-K // 8) * 8, -(-K // g)
+    assert packed["qweight"].shape == (K_words // 8, N) and packed["qweight"].dtype == torch.int32
+    assert packed["qzeros"].shape == (groups, N // 8) and packed["qzeros"].dtype == torch.int32
     assert packed["scales"].dtype == torch.float16 and torch.equal(
-        packed["g_idx"], torch.arange(K_pad, dtype=torch.int32) // g
+        packed["g_idx"], torch.arange(K, dtype=torch.int32) // g
     )
     q2, z2, s2, g2 = unpack_gptq_v1(packed)
     assert g2 == g
     assert torch.equal(q2[:, :K].int(), q)
-    assert torch.equal(q2[:, K:].int(), z[-1].view(N, 1).expand(N, K_pad - K))  # padding dequantizes to exactly 0
+    assert torch.equal(q2[:, K:].int(), z[-1].view(N, 1).expand(N, K_words - K))  # padding dequantizes to exactly 0
     assert torch.equal(z2.int(), z)
     assert torch.equal(s2, s.half())
     W = dequantize_gptq_v1(packed)
-    assert W.shape == (N, K_pad) and torch.all(W[:, K:] == 0)
+    assert W.shape == (N, K_words) and torch.all(W[:, K:] == 0)
 
 
 def test_v1_zero_points_are_word_minus_0x11111111():
@@ -133,7 +134,7 @@ def test_missing_tensor_and_wrong_width_are_refused():
 
 def test_dequantize_drops_padding_columns():
     W = torch.randn(48, 200, generator=_gen(5))
-    packed = quantize_rtn(W, group_size=128)
+    packed = _padded_layout(quantize_rtn(W, group_size=128), 200)
     assert packed["qweight"].shape[0] * 8 == 256
     deq = dequantize_gptq_v1(packed, in_features=200)
     assert deq.shape == (48, 200)
@@ -158,31 +159,36 @@ def test_quantize_rtn_error_is_within_half_a_step(sym):
 # ---------------------------------------------------------------- Int4Linear
 
 
-def _native_layout(packed: dict, K: int) -> dict:
-    """GPTQModel's own unpadded layout: qweight rows ceil(K/8), g_idx of length K, a partial last group."""
-    out = dict(packed)
-    out["qweight"] = packed["qweight"][: -(-K // 8)].contiguous()
-    out["g_idx"] = packed["g_idx"][:K].contiguous()
-    return out
+def _padded_layout(packed: dict, K: int) -> dict:
+    """orin-omni 0.1's layout, still read: the input width zero-padded to a multiple of the group size
+    (qweight rows K_pad/8 with the padded codes at the last group's zero point, g_idx of length K_pad)."""
+    from orin.gptq_format import _pack_rows
+
+    q, z, _, g = unpack_gptq_v1(packed)
+    K_pad = pad_in_features(K, g)
+    codes = torch.cat([q[:, :K].to(torch.int64), z[-1].to(torch.int64).view(-1, 1).expand(-1, K_pad - K)], dim=1)
+    return {**packed, "qweight": _pack_rows(codes.t().contiguous()),
+            "g_idx": torch.arange(K_pad, dtype=torch.int32) // g}
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize(
-    "K,N,g,bias,native",
+    "K,N,g,bias,legacy_padded",
     [
         (256, 64, 128, False, False),
-        (200, 48, 128, True, False),  # K_pad 256
+        (200, 48, 128, True, False),  # a partial last group, padded to K_pad 256 at load
+        (200, 48, 128, True, True),  # the same in orin-omni 0.1's zero-padded layout
         (538, 72, 128, True, False),  # 4304-like (2*269) scaled down; N not a multiple of 16
-        (538, 72, 128, False, True),  # the same, in GPTQModel's unpadded layout
+        (538, 72, 128, False, True),
         (512, 64, 32, False, False),
         (512, 64, 512, True, False),  # g above the kernel's 256: scales repeat
     ],
 )
-def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bias, native):
+def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bias, legacy_padded):
     gen = _gen(K * N + g)
     packed = random_gptq_v1(K, N, g, generator=gen, bias=bias)
-    if native:
-        packed = _native_layout(packed, K)
+    if legacy_padded:
+        packed = _padded_layout(packed, K)
     W = dequantize_gptq_v1(packed, in_features=K)
     b = packed["bias"].float() if bias else 0.0
     layer = Int4Linear.from_gptq({k: v.to(device) for k, v in packed.items()}, K, device, dtype)
@@ -198,7 +204,7 @@ def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bia
 
 def test_int4_linear_real_vision_fc2_dims():
     packed = random_gptq_v1(4304, 1152, 128, generator=_gen(7), bias=True)
-    assert packed["qweight"].shape == (4352 // 8, 1152)
+    assert packed["qweight"].shape == (4304 // 8, 1152)  # stored at its true width, padded to 4352 at load
     layer = Int4Linear.from_gptq(packed, 4304, "cpu", torch.bfloat16)
     x = torch.randn(5, 4304, generator=_gen(8)).bfloat16()
     ref = x.float() @ dequantize_gptq_v1(packed, 4304).T + packed["bias"].float()
@@ -310,7 +316,7 @@ def test_int4_experts_fused_prefill_matches_per_expert_path(monkeypatch):
     idx, w = idx.cuda(), w.bfloat16().cuda()
     fused = experts(x, idx, w)
     assert int4.fused_gemm.error is None
-    monkeypatch.setattr(int4.fused_gemm, "enabled", False)
+    monkeypatch.setattr(int4.fused_gemm, "error", "switched off by the test")  # the dequantized-chunk fallback
     assert _rel(fused, experts(x, idx, w)) <= 1e-2
     monkeypatch.setattr(int4, "GROUPED_MIN_ROWS_PER_EXPERT", 10**9)
     assert _rel(fused, experts(x, idx, w)) <= 1e-2

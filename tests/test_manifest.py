@@ -34,7 +34,7 @@ def _checkpoint(tmp_path):
                                                                   "quantize_audio_encoder": False,
                                                                   "quantize_code_predictor": False,
                                                                   "quantize_code2wav": False,
-                                                                  "quantize_lm_head": False}},
+                                                                  "quantize_lm_head": False, "sym": True}},
                         split=SPLIT, shared_files=(file_entry(tmp_path, "config.json"),))
     write_manifest(tmp_path, manifest)
     entry = SegmentEntry(name="thinker", components=SPLIT["thinker"],
@@ -110,4 +110,40 @@ def test_damaged_manifests_are_model_errors(tmp_path):
     data["segments"]["thinker"]["files"][0]["path"] = "../outside"
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ModelError, match="relative"):
+        read_manifest(tmp_path)
+
+
+def test_served_model_name_is_recorded_validated_and_defaulted(tmp_path):
+    from dataclasses import replace
+
+    from orin.errors import UsageError
+    from orin.manifest import check_served_name
+
+    _checkpoint(tmp_path)
+    manifest = read_manifest(tmp_path)
+    assert manifest.model_name == "qwen3-omni-int4"  # an old manifest without the field: the default
+    write_manifest(tmp_path, replace(manifest, served_model_name="cam-brain"))
+    assert read_manifest(tmp_path).model_name == "cam-brain"
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["served_model_name"] = "has space"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelError, match="served_model_name"):
+        read_manifest(tmp_path)
+    for bad in ("", "a b", "x" * 129, "tab\there"):
+        with pytest.raises(UsageError):
+            check_served_name(bad)
+
+
+def test_a_spec_recorded_before_sym_existed_reads_as_asymmetric(tmp_path):
+    """orin-omni 0.1 quantized asymmetrically and recorded no `sym`: its checkpoints must not claim symmetry."""
+    _checkpoint(tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    del data["quantization"]["spec"]["sym"]
+    data["schema_version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    m = read_manifest(tmp_path)
+    assert m.quant_spec().sym is False and m.schema_version == 1
+    data["schema_version"] = 3
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ModelError, match="schema version 3"):
         read_manifest(tmp_path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from orin import components as C
+from orin.checkpoint_layout import read_header
 from orin.errors import ChecksumError
 from orin.gptq_format import dequantize_gptq_v1
 from orin.layout import QuantSpec, find_targets
@@ -34,10 +35,20 @@ def _targets(model_dir, spec: QuantSpec | None = None):
 
 
 def _keys(path):
+    """A shard's tensors under the runtime's names (stored under the hub's), with their dtypes."""
     from safetensors import safe_open
 
+    from orin.hub_names import to_runtime
+
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        return {to_runtime(k): f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def _shard(out, segment: str) -> Path:
+    return Path(out) / read_manifest(out).segments[segment].files[0].path
+
+
+SHARDS = {"thinker": "model-00001-of-00002.safetensors", "talker_vision": "model-00002-of-00002.safetensors"}
 
 
 def test_both_segments_are_written_and_verified(quantized_dir, tiny_model_dir):
@@ -45,23 +56,31 @@ def test_both_segments_are_written_and_verified(quantized_dir, tiny_model_dir):
     m = read_manifest(out)
     assert m.finished == ("thinker", "talker_vision") and m.complete
     verify_files(out, m)
-    assert m.source["config_sha256"] and m.quant_spec() == QuantSpec()
+    assert m.source["config_sha256"] and m.quant_spec() == QuantSpec() and m.quant_spec().sym
     assert m.quantization["quantizer"] == "gptqmodel 7.6.0"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json",
-                 "orin_tiny.json", "config.json"):
+                 "orin_tiny.json"):
         assert name in {f.path for f in m.shared_files}
         assert (out / name).read_bytes() == (Path(tiny_model_dir) / name).read_bytes()
+    # config.json is the source's plus the quantization_config, which quantize_config.json repeats.
+    config, source = json.loads((out / "config.json").read_text()), json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    assert config == source and json.loads((out / "quantize_config.json").read_text()) == qc
+    assert {"config.json", "quantize_config.json"} <= {f.path for f in m.shared_files}
+    assert qc["bits"] == 4 and qc["group_size"] == 128 and qc["desc_act"] is False and qc["sym"] is True
+    assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq"
+    # One shard per segment at the root, and the index over both.
+    index = json.loads((out / "model.safetensors.index.json").read_text())
     for name, entry in m.segments.items():
-        assert {f.path for f in entry.files} == {f"{name}/model.safetensors", f"{name}/config.json",
-                                                 f"{name}/quantize_config.json"}
-        assert entry.total_bytes == sum(f.bytes for f in entry.files)
-        qc = json.loads((out / name / "quantize_config.json").read_text())
-        assert qc["bits"] == 4 and qc["group_size"] == 128 and qc["desc_act"] is False and qc["sym"] is False
-        assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq"
-        assert qc["components"] == list(entry.components) and qc["modules"] == list(entry.quantized_modules)
-    padded = json.loads((out / "talker_vision" / "quantize_config.json").read_text())["padded"]
-    assert {p["in_features"] for p in padded} == {200} and {p["stored_in_features"] for p in padded} == {256}
-    assert not list(out.glob(".*.tmp"))
+        assert [f.path for f in entry.files] == [SHARDS[name]] and entry.total_bytes == entry.files[0].bytes
+        assert {k for k, v in index["weight_map"].items() if v == SHARDS[name]} == set(read_header(out / SHARDS[name]))
+    assert index["metadata"]["total_size"] == sum(e.int4_bytes for e in m.segments.values())
+    # The vision MLP's fc2 (200 inputs on the tiny model: no group divides it) stays BF16, declared so.
+    assert r"-:.*visual\.blocks\.\d+\.mlp\.linear_fc2" in qc["dynamic"]
+    keys = _keys(_shard(out, "talker_vision"))
+    assert keys["thinker.model.visual.blocks.0.mlp.linear_fc2.weight"] == "BF16"
+    assert not any("linear_fc2" in e for e in qc["modules_in_block_to_quantize"][0])
+    assert not list(out.glob(".*.tmp")) and not [p for p in out.iterdir() if p.is_dir()]
 
 
 def test_segment_files_hold_exactly_their_components(quantized_dir, tiny_model_dir):
@@ -69,7 +88,7 @@ def test_segment_files_hold_exactly_their_components(quantized_dir, tiny_model_d
     m = read_manifest(out)
     targets = _targets(tiny_model_dir)
     for name, entry in m.segments.items():
-        keys = _keys(out / name / "model.safetensors")
+        keys = _keys(_shard(out, name))
         assert {C.component_of(k) for k in keys} == set(entry.components)
         seg_targets = [t for t in targets if t.component in entry.components]
         assert sorted(entry.quantized_modules) == sorted(t.path for t in seg_targets)
@@ -82,7 +101,7 @@ def test_segment_files_hold_exactly_their_components(quantized_dir, tiny_model_d
         plain = [k for k in keys if not k.endswith(("qweight", "qzeros", "scales", "g_idx"))]
         assert plain and all(keys[k] == "BF16" for k in plain)
     # What stays BF16 by default.
-    thinker = _keys(out / "thinker" / "model.safetensors")
+    thinker = _keys(_shard(out, "thinker"))
     for key in ("thinker.lm_head.weight", "thinker.model.language_model.embed_tokens.weight",
                 "thinker.model.language_model.layers.0.mlp.gate.weight",
                 "thinker.model.audio_tower.layers.0.fc1.weight"):
@@ -91,9 +110,10 @@ def test_segment_files_hold_exactly_their_components(quantized_dir, tiny_model_d
 
 def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
     """Dequantizing the stored tensors gives back each module's own weight (up to 4-bit error): the keys,
-    orientation, expert slicing and padding are right."""
+    orientation and expert slicing are right."""
     from safetensors import safe_open
 
+    from orin.hub_names import to_hub
     from orin.tiny import build_tiny_model
 
     model = build_tiny_model(0).to(torch.bfloat16)
@@ -101,10 +121,10 @@ def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
              ("thinker", "thinker.model.language_model.layers.0.mlp.experts.5.down_proj", ("down_proj", 5)),
              ("thinker", "thinker.model.language_model.layers.0.mlp.experts.2.up_proj", ("up", 2)),
              ("talker_vision", "talker.model.layers.1.mlp.shared_expert.gate_proj", None),
-             ("talker_vision", "thinker.model.visual.blocks.2.mlp.linear_fc2", None)]
+             ("talker_vision", "thinker.model.visual.blocks.2.mlp.linear_fc1", None)]
     for segment, key, expert in cases:
-        with safe_open(str(Path(quantized_dir) / segment / "model.safetensors"), framework="pt") as f:
-            tensors = {p: f.get_tensor(f"{key}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx")}
+        with safe_open(str(_shard(quantized_dir, segment)), framework="pt") as f:
+            tensors = {p: f.get_tensor(f"{to_hub(key)}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx")}
         if expert is None:
             w = model.get_submodule(key).weight
         else:
@@ -130,12 +150,14 @@ def test_gptq_beats_rtn_on_every_layer_type(quantized_dir):
     types = {name: t for seg in report["segments"].values() for name, t in seg["layer_types"].items()}
     for expected in ("thinker.attn.q_proj", "thinker.attn.o_proj", "thinker.experts.gate_proj",
                      "thinker.experts.up_proj", "thinker.experts.down_proj", "vision.attn.qkv", "vision.attn.proj",
-                     "vision.mlp.linear_fc1", "vision.mlp.linear_fc2", "talker.attn.v_proj",
+                     "vision.mlp.linear_fc1", "talker.attn.v_proj",
                      "talker.experts.down_proj", "talker.shared_expert.gate_proj", "talker.shared_expert.down_proj"):
         assert expected in types
     for name, t in types.items():
         assert t["heldout_rows"] > 0, name
         assert t["gptq_error"] < t["rtn_error"], (name, t)
+        assert t["rtn_other_sym_error"] > 0, name  # asymmetric RTN, measured beside the symmetric choice
+    assert "vision.mlp.linear_fc2" not in types
 
 
 def test_report_has_end_to_end_metrics(quantized_dir):
@@ -153,7 +175,7 @@ def test_report_has_end_to_end_metrics(quantized_dir):
 def test_corrupted_file_is_detected_by_checksum(quantized_dir, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(quantized_dir, out)
-    victim = out / "talker_vision" / "model.safetensors"
+    victim = _shard(out, "talker_vision")
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -185,13 +207,18 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
     with pytest.raises(KeyboardInterrupt):
         run_quantize(cfg)
     assert read_manifest(out).finished == ("thinker",)
-    assert not (out / "talker_vision").exists()
-    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "thinker").iterdir()}
+    assert not (out / SHARDS["talker_vision"]).exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {SHARDS["thinker"]}
+    shard = out / SHARDS["thinker"]
+    before = (shard.stat().st_ino, shard.stat().st_mtime_ns)
 
     monkeypatch.setattr(sequential.StackQuantizer, "run", real_run)
     m = run_quantize(cfg)
     assert m.finished == ("thinker", "talker_vision")
-    assert before == {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "thinker").iterdir()}
+    assert before == (shard.stat().st_ino, shard.stat().st_mtime_ns)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(SHARDS.values())
     verify_files(out, m)
     report = load_report(out)
     assert set(report["segments"]) == {"thinker", "talker_vision"}
@@ -206,7 +233,7 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
                                      quantize_code2wav=True)).to_json()["segments"]
     for name, entry in m.segments.items():
         assert abs(entry.int4_bytes - predicted[name]["int4_bytes"]) <= 0.02 * predicted[name]["int4_bytes"]
-    keys = _keys(out / "talker_vision" / "model.safetensors")
+    keys = _keys(_shard(out, "talker_vision"))
     assert "talker.code_predictor.model.layers.0.mlp.up_proj.qweight" in keys
     assert "code2wav.pre_transformer.layers.1.self_attn.q_proj.qweight" in keys
 
@@ -256,24 +283,25 @@ def test_calibration_from_a_user_jsonl_with_image_and_audio(tiny_model_dir, tmp_
         t = seg["layer_types"][name]
         assert t["modules"] >= 1 and t["heldout_rows"] > 0 and 0 < t["gptq_error"] < 0.5 and t["rtn_modules"] == 0
     assert 0.9 < seg["metrics"]["audio_cosine"] <= 1
-    keys = _keys(out / "thinker" / "model.safetensors")
+    keys = _keys(_shard(out, "thinker"))
     assert keys["thinker.model.audio_tower.layers.1.fc1.qweight"] == "I32"
     assert keys["thinker.model.audio_tower.layers.1.fc1.bias"] == "BF16"
     assert "thinker.model.audio_tower.layers.1.fc1.weight" not in keys
     assert keys["thinker.lm_head.qweight"] == "I32" and "thinker.lm_head.weight" not in keys
     assert np.isfinite(seg["metrics"]["logits_cosine"])
-    assert not os.path.exists(out / "talker_vision")
+    assert not os.path.exists(out / SHARDS["talker_vision"])
 
 
 def test_force_redoes_only_the_named_segment(quantized_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(quantized_dir, out)
-    talker = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "talker_vision").iterdir()}
+    talker_shard = out / SHARDS["talker_vision"]
+    talker = (talker_shard.stat().st_ino, talker_shard.stat().st_mtime_ns)
     old = read_manifest(out).segments["thinker"]
     m = run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), segments=("thinker",), samples=4, force=True,
                                  **SPEECH_SHORT))
     assert m.finished == ("thinker", "talker_vision")
     assert m.segments["thinker"].files != old.files  # recalibrated on 4 conversations: other bytes
-    assert talker == {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "talker_vision").iterdir()}
+    assert talker == (talker_shard.stat().st_ino, talker_shard.stat().st_mtime_ns)
     assert load_report(out)["segments"]["thinker"]["calibration"]["conversations"] == 3
     verify_files(out, m)

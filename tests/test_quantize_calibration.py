@@ -12,10 +12,15 @@ from orin.media import synth_image, synth_tone, write_wav
 from quantize.calibration import (
     MAX_AUDIO_SECONDS,
     MAX_IMAGE_SIDE,
+    Conversation,
+    Skips,
+    TooFewConversations,
     builtin_conversations,
+    hold_out,
     holdout_count,
     load_calibration,
     split_heldout,
+    to_samples,
 )
 
 
@@ -75,3 +80,29 @@ def test_heldout_split_covers_modalities_and_keeps_them_for_calibration():
     few = builtin_conversations(2)  # text, image
     assert split_heldout(few, 1) == {0}
     assert holdout_count(2) == 1 and holdout_count(128) == 8 and holdout_count(1000) == 8
+
+
+def test_unencodable_conversations_are_skipped_before_the_held_out_split():
+    """A banner image loads but the processor refuses it: the conversation is skipped with a warning, and the
+    held-out split is drawn from the conversations that remain."""
+    from PIL import Image
+
+    from orin.tiny import build_processor
+
+    banner = Conversation("calib.jsonl:7", [{"role": "user", "content": [{"type": "image"},
+                                                                        {"type": "text", "text": "?"}]}],
+                          images=[Image.new("RGB", (448, 1))])
+    convs = builtin_conversations(5) + [banner]
+    warnings = []
+    skips = Skips(warnings.append)
+    samples = to_samples(build_processor(), convs, "cpu", skips)
+    assert [s.name for s in samples] == [f"builtin:{i}" for i in range(5)]
+    assert [s.index for s in samples] == list(range(5))
+    assert warnings == ["warning: skipping calibration conversation calib.jsonl:7 (cannot be encoded): the processor "
+                        "cannot encode it (ValueError: absolute aspect ratio must be smaller than 200, got 448.0)"]
+    assert skips.to_json()["skipped_counts"] == {"encode": 1, "thinker": 0, "speech": 0}
+    hold_out("calib.jsonl", convs, samples, skips)
+    assert [s.name for s in samples if s.heldout] == ["builtin:3"]  # brings both image and audio
+    with pytest.raises(TooFewConversations, match=r"calib.jsonl: 0 calibration conversation\(s\) that the "
+                                                  r"processor can encode, 1 needed; 1 were skipped"):
+        hold_out("calib.jsonl", [convs[0], banner], samples[:1], skips)

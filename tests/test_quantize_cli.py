@@ -18,8 +18,12 @@ def _run(*args):
     return CliRunner().invoke(cli, ["quantize", *map(str, args)])
 
 
-def _stat(path: Path) -> dict:
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in path.iterdir()}
+SHARDS = {"thinker": "model-00001-of-00002.safetensors", "talker_vision": "model-00002-of-00002.safetensors"}
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    """A file's identity and last write: unchanged means never rewritten."""
+    return path.stat().st_ino, path.stat().st_mtime_ns
 
 
 def test_missing_model_files(tmp_path):
@@ -96,13 +100,13 @@ def test_bad_calibration_media_names_the_file_and_leaves_finished_segments(half_
     line = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, entry]}]}
     (calib / "set.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n"
                                      + json.dumps(line) + "\n")
-    before = _stat(half_done / "thinker")
+    before = _stat(half_done / SHARDS["thinker"])
     manifest_before = (half_done / "manifest.json").read_bytes()
     result = _run(tiny_model_dir, "--out", half_done, "--calib", calib, "--samples", 4)
     assert result.exit_code == 1
     message = result.output.strip().splitlines()[-1]
     assert "set.jsonl:2" in message and entry["path"] in message and match in message
-    assert _stat(half_done / "thinker") == before
+    assert _stat(half_done / SHARDS["thinker"]) == before
     assert (half_done / "manifest.json").read_bytes() == manifest_before
     assert read_manifest(half_done).finished == ("thinker",)
 
@@ -132,13 +136,13 @@ def test_calibration_without_images_cannot_calibrate_the_vision_encoder(half_don
 def test_rerun_on_a_finished_checkpoint_skips_and_prints_json(quantized_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "done"
     shutil.copytree(quantized_dir, out)
-    before = {seg: _stat(out / seg) for seg in ("thinker", "talker_vision")}
+    before = {seg: _stat(out / shard) for seg, shard in SHARDS.items()}
     result = _run(tiny_model_dir, "--out", out, "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["finished"] == ["thinker", "talker_vision"] and summary["group_size"] == 128
     assert "skipping finished segment(s) thinker, talker_vision" in result.stderr
-    assert before == {seg: _stat(out / seg) for seg in ("thinker", "talker_vision")}
+    assert before == {seg: _stat(out / shard) for seg, shard in SHARDS.items()}
     result = _run(tiny_model_dir, "--out", out)
     assert result.exit_code == 0 and "GPTQ err" in result.stdout and "thinker.experts.down_proj" in result.stdout
 
@@ -153,10 +157,12 @@ def test_rerun_with_other_settings_needs_force(quantized_dir, tiny_model_dir, tm
 def test_rerun_detects_a_corrupted_finished_segment(quantized_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "done"
     shutil.copytree(quantized_dir, out)
-    config = out / "thinker" / "config.json"
-    config.write_text(config.read_text().replace('"qwen3_omni_moe"', '"qwen3_omni_moX"'))
+    shard = out / SHARDS["thinker"]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # a weight byte: same size, other sha256
+    shard.write_bytes(bytes(data))
     result = _run(tiny_model_dir, "--out", out)
-    assert result.exit_code == 1 and str(config) in result.output and "sha256" in result.output
+    assert result.exit_code == 1 and str(shard) in result.output and "sha256" in result.output
 
 
 def test_checkpoint_without_tokenizer(tiny_model_dir, tmp_path):

@@ -701,3 +701,77 @@ def test_journald_log_lines_carry_priorities():
     for level, prio in ((logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6), (logging.DEBUG, 7)):
         record = logging.LogRecord("orin.server", level, __file__, 1, "hello", None, None)
         assert fmt.format(record) == f"<{prio}>orin.server: hello"
+
+
+# --------------------------------------------------------------------------- the model's name, and quiet logs
+
+
+def test_served_name_comes_from_the_manifest_not_the_directory(engine, quantized_dir, tmp_path):
+    import shutil
+
+    # A copy under another directory name still answers to the name recorded at quantize time.
+    copy = tmp_path / "whatever-dir-name"
+    shutil.copytree(quantized_dir, copy)
+    from orin.manifest import read_manifest
+
+    assert read_manifest(copy).model_name == "qwen3-omni-int4" == engine.model_name
+    srv = _server(engine, str(copy))
+    try:
+        assert [m.id for m in _client(srv).models.list().data] == ["qwen3-omni-int4"]
+    finally:
+        srv.stop()
+    named = _server(engine, quantized_dir, served_model_name="robot-brain")
+    try:
+        client = _client(named)
+        assert [m.id for m in client.models.list().data] == ["robot-brain"]
+        reply = client.chat.completions.create(model="robot-brain", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert reply.model == "robot-brain"
+        with pytest.raises(openai.NotFoundError, match="robot-brain"):
+            client.chat.completions.create(model="qwen3-omni-int4", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        named.stop()
+
+
+def test_a_bad_served_name_is_a_usage_error(quantized_dir):
+    from click.testing import CliRunner
+
+    from orin.cli import cli
+
+    result = CliRunner().invoke(cli, ["serve", "--model-dir", quantized_dir, "--served-model-name", "two words",
+                                      "--port", "0"])
+    assert result.exit_code == 2 and "served model name 'two words'" in result.output
+
+
+def test_a_client_reset_is_not_a_traceback_and_probes_are_not_logged(server, caplog, capfd):
+    import logging
+    import struct
+
+    caplog.set_level(logging.DEBUG, logger="orin.server")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"200 OK" in sock.recv(65536)
+    sock.sendall(b"GET /heal")  # the server now waits for the rest of the request line
+    time.sleep(0.2)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a TCP reset
+    sock.close()
+    _wait_for(lambda: any("closed the connection" in r.getMessage() for r in caplog.records), what="the reset")
+    assert _http(server, "GET", "/metrics")[0] == 200
+    _wait_for(lambda: any("GET /metrics 200" in r.getMessage() for r in caplog.records), what="the probe line")
+    assert _http(server, "GET", "/v1/models")[0] == 200
+    # The access line is written after the response is sent: wait for it rather than race it.
+    _wait_for(lambda: any("GET /v1/models 200" in r.getMessage() for r in caplog.records), what="the access line")
+    assert "Traceback" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("GET /v1/models 200" in m for m in info)
+    assert not any("/health" in m or "/metrics" in m for m in info)
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("GET /health 200" in m for m in debug) and any("GET /metrics 200" in m for m in debug)
+
+
+def test_no_rope_parameters_warning_on_any_command(tiny_model_dir):
+    result = subprocess.run([sys.executable, "-m", "orin.cli", "plan", tiny_model_dir], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "rope_parameters" not in result.stderr and "Unrecognized keys" not in result.stderr

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from orin.access import NEW_SYSTEM_USER, AccessProblem, access_problems, model_access_problems
 from orin.cli import cli
 from orin.errors import ModelError, ServiceError, UsageError
 from orin.service import (
@@ -37,6 +40,7 @@ from orin.service import (
 from orin.service_install import (
     InstallConfig,
     UninstallConfig,
+    check_access,
     install_service,
     plan_install,
     plan_uninstall,
@@ -130,6 +134,7 @@ VARIANTS = {
         pythonpath="/home/ai/src",
     ),
     "jetson-odd-paths": unit_config(model_dir="/srv/models/100%: int4", api_key_file="/srv/keys/k 1"),
+    "discrete-served-name": unit_config(platform="discrete", served_model_name="Qwen/Qwen3-Omni-30B-A3B-Instruct"),
 }
 
 
@@ -230,6 +235,20 @@ def test_environment_file_round_trips_through_a_shell(tmp_path):
     assert parse_bytes(out[3]) == 1536 << 20
 
 
+def test_served_model_name_goes_through_the_environment_file(tmp_path):
+    cfg = unit_config(served_model_name="Qwen/Qwen3-Omni-30B-A3B-Instruct")
+    exec_start = next(line for line in directives(render_unit(cfg)) if line.startswith("ExecStart="))
+    assert exec_start.endswith(" --served-model-name ${ORIN_OMNI_SERVED_MODEL_NAME}")
+    env_file = tmp_path / "env"
+    env_file.write_text(render_env(cfg))
+    out = subprocess.run(["sh", "-c", '. "$1"; printf "%s" "$ORIN_OMNI_SERVED_MODEL_NAME"', "sh", str(env_file)],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+    # Not given: serve names the model itself (from the checkpoint's manifest).
+    assert "served-model-name" not in render_unit(unit_config()).lower()
+    assert "SERVED_MODEL_NAME" not in render_env(unit_config())
+
+
 @pytest.mark.parametrize("mode", sorted(POWER_MODES))
 def test_power_mode_runs_nvpmodel_with_full_privileges(mode):
     lines = directives(render_unit(unit_config(power_mode=mode)))
@@ -318,6 +337,8 @@ def test_home_directory_install_binds_only_what_it_needs():
         ({"model_dir": '/srv/"q"'}, "cannot be written safely"),
         ({"host": "a b"}, "invalid host"),
         ({"devices": ("/sys/x",)}, "invalid device"),
+        ({"served_model_name": "my model"}, "invalid served model name"),
+        ({"served_model_name": "q$HOME"}, "invalid served model name"),
     ],
 )
 def test_bad_values_are_refused_with_a_reason(overrides, message):
@@ -661,6 +682,130 @@ def test_cli_dry_run(tmp_path, model_dir):
     assert result.exit_code == 0, result.output
     assert "would write" in result.output and "Type=notify" in result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_cli_served_model_name(tmp_path, model_dir):
+    root = tmp_path / "r"
+    args = ["install-service", "--model-dir", str(model_dir), "--root", str(root), "--served-model-name", "qwen3-omni"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "ORIN_OMNI_SERVED_MODEL_NAME=qwen3-omni" in (root / "etc/orin-omni/qwen3-omni.env").read_text().splitlines()
+    assert "--served-model-name ${ORIN_OMNI_SERVED_MODEL_NAME}" in (root / "etc/systemd/system/qwen3-omni.service").read_text()
+    bad = CliRunner().invoke(cli, [*args[:-1], "two words", "--force"])
+    assert bad.exit_code == 2 and "invalid served model name" in bad.output
+
+
+# ---------------------------------------------------------------------------- can the service user read it?
+
+
+@pytest.fixture
+def open_base():
+    """A directory every ancestor of which everyone may search (pytest's tmp_path is under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="orin-service-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def closed_model(base: Path) -> tuple[Path, Path, Path]:
+    """base/private (0700)/qwen3-omni-int4 holding a 0644 config.json and a 0600 model.safetensors, as a copy
+    that kept the quantizer's modes leaves it. Returns (model dir, closed parent, unreadable file)."""
+    parent = base / "private"
+    model = parent / "qwen3-omni-int4"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}\n")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"w")
+    weights.chmod(0o600)
+    parent.chmod(0o700)
+    return model, parent, weights
+
+
+@pytest.fixture
+def nobody():
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' on this system")
+    return "nobody"
+
+
+@pytest.fixture
+def reachable_python(monkeypatch, open_base, nobody) -> str:
+    """Make the interpreter install-service puts in the unit one that `nobody` can run: this one when it can,
+    else the system's (this one may live under /root, and the fix must not open that up)."""
+    empty = open_base / "empty"
+    empty.mkdir()
+    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(python, os.X_OK) and model_access_problems(empty, nobody, python) == []:
+            monkeypatch.setattr(sys, "executable", python)
+            empty.rmdir()
+            return python
+    pytest.skip("no Python interpreter that user nobody can run")
+
+
+def test_cli_refuses_a_model_the_service_user_cannot_read(tmp_path, open_base, nobody, reachable_python):
+    model, parent, weights = closed_model(open_base)
+    root = tmp_path / "root"
+    args = ["install-service", "--model-dir", str(model), "--root", str(root), "--user", nobody]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert f"{weights}: file not readable (needs o+r)" in result.output
+    assert f"{parent}: directory not searchable (needs o+x)" in result.output
+    assert f"chmod -R a+rX {model}" in result.output and f"chmod o+x {parent}" in result.output
+    assert "--fix-permissions" in result.output
+    assert not root.exists()  # refused before writing anything
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o600
+
+    fixed = CliRunner().invoke(cli, [*args, "--fix-permissions"])
+    assert fixed.exit_code == 0, fixed.output
+    assert f"fix permissions: chmod -R a+rX {model}" in fixed.output
+    assert model_access_problems(model, nobody, reachable_python) == []
+    assert (root / "etc/systemd/system/qwen3-omni.service").is_file()
+    assert CliRunner().invoke(cli, args).exit_code == 0  # nothing left to refuse
+
+
+def test_cli_dry_run_shows_the_plan_then_fails_like_the_real_run(tmp_path, open_base, nobody, reachable_python):
+    model, parent, weights = closed_model(open_base)
+    root = tmp_path / "root"
+    args = ["install-service", "--model-dir", str(model), "--root", str(root), "--user", nobody, "--dry-run"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert "would write" in result.output and f"chmod o+x {parent}" in result.output
+    with_fix = CliRunner().invoke(cli, [*args, "--fix-permissions"])
+    assert with_fix.exit_code == 0, with_fix.output
+    assert f"would fix permissions: chmod o+x {parent}" in with_fix.output
+    assert not root.exists()
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o600 and stat.S_IMODE(parent.stat().st_mode) == 0o700
+
+
+def test_staging_for_a_user_that_does_not_exist_here_warns(tmp_path, open_base):
+    """Under a --root other than / a missing user is created on the target, not by this run: its problems are a
+    warning (checked as the system user useradd makes), not a refusal."""
+    model, parent, _weights = closed_model(open_base)
+    user = "orin-omni-absent"
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user)
+    lines: list[str] = []
+    install(model, tmp_path / "root", lines, user=user)
+    warning = next(line for line in lines if line.startswith("warning: on the target"))
+    assert "only the 'other' permission bits count" in warning
+    assert f"chmod o+x {parent}" in warning
+
+
+def test_real_root_checks_a_missing_user_as_the_system_user_it_creates(open_base):
+    """At --root / install-service creates the user (own group, no files): only the other bits count, and the
+    problems refuse the install."""
+    model, parent, weights = closed_model(open_base)
+    cfg = InstallConfig(model_dir=str(model), user="orin-omni-absent", root="/")
+    unit = UnitConfig(model_dir=str(model), exec_start=(sys.executable,), user=cfg.user)
+    check = check_access(cfg, unit)
+    assert check.enforced and check.new_user
+    assert check.problems == tuple(access_problems(model, NEW_SYSTEM_USER, sys.executable))
+    assert {AccessProblem(str(parent), "search", "o"), AccessProblem(str(weights), "read", "o")} <= set(check.problems)
+    assert "or rerun with --fix-permissions" in check.message()
 
 
 # ----------------------------------------------------------------------------------------------------- wheel

@@ -1,0 +1,70 @@
+"""`orin-omni generate` as a person and as a machine sees it: the answer then a summary, speech only where it
+goes, a compact --json."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from orin.cli import cli
+from orin.generate import compact_json, render_summary
+
+BASE = ["--max-new-tokens", "4", "--device", "cpu", "--power-backend", "none"]
+
+
+def _run(quantized_dir, *args):
+    res = CliRunner().invoke(cli, ["generate", quantized_dir, "--text", "hi", *BASE, *args])
+    assert res.exit_code == 0, res.output + res.stderr
+    return res
+
+
+def test_answer_on_stdout_summary_on_stderr_and_no_speech_by_default(quantized_dir):
+    res = _run(quantized_dir)
+    summary = res.stderr
+    assert "TTFT" in summary and "tokens/s" in summary and "peak" in summary and "prompt tokens" in summary
+    assert "energy: not measured" in summary
+    # Without --out-wav no speech is made: nothing was generated and thrown away, and the user is told how to get it.
+    assert "speech: none (pass --out-wav FILE" in summary
+    assert "TTFT" not in res.stdout and res.stdout.endswith("\n")
+
+
+def test_speech_made_but_not_saved_says_so(quantized_dir):
+    res = _run(quantized_dir, "--speech", "--max-audio-frames", "4")
+    assert "generated but not saved; pass --out-wav FILE" in res.stderr
+
+
+def test_speech_written_names_the_file(quantized_dir, tmp_path):
+    wav = tmp_path / "answer.wav"
+    res = _run(quantized_dir, "--out-wav", str(wav), "--max-audio-frames", "4")
+    assert f"written to {wav}" in res.stderr and wav.stat().st_size > 44
+
+
+def test_json_is_compact_and_alone_on_stdout(quantized_dir):
+    res = _run(quantized_dir, "--json")
+    report = json.loads(res.stdout)
+    assert report["wav"] is None and report["talker_frames"] == 0
+    ids_line = [line for line in res.stdout.splitlines() if '"token_ids"' in line]
+    assert len(ids_line) == 1 and ids_line[0].strip().rstrip(",").endswith("]")
+    assert not any(line.strip().rstrip(",").lstrip("-").replace(".", "").isdigit() for line in res.stdout.splitlines())
+
+
+def test_no_speech_with_out_wav_is_refused(quantized_dir, tmp_path):
+    res = CliRunner().invoke(cli, ["generate", quantized_dir, "--text", "hi", "--no-speech", "--out-wav",
+                                   str(tmp_path / "a.wav"), *BASE])
+    assert res.exit_code != 0 and "--out-wav needs speech" in res.output
+
+
+def test_compact_json_keeps_structure():
+    obj = {"a": [1, 2, 3], "b": {"c": [{"d": 1}], "e": []}, "f": "x"}
+    text = compact_json(obj)
+    assert json.loads(text) == obj and '"a": [1, 2, 3]' in text
+
+
+def test_summary_with_energy_and_budget():
+    text = render_summary({"completion_tokens": 3, "total_s": 1.0, "ttft_s": 0.1, "tokens_per_s": 20.0,
+                           "peak_bytes": 3 << 30, "budget_bytes": 24 << 30, "prompt_tokens": 9, "device": "cuda:0",
+                           "energy": {"available": True, "joules": 12.5, "mean_w": 25.0, "backends": ["ina3221"]},
+                           "talker_frames": 25, "audio_seconds": 2.0, "first_audio_s": 0.3, "wav": "/tmp/a.wav"})
+    assert "3.00 GiB of a 24.00 GiB budget" in text and "12.5 J, mean 25.0 W (ina3221)" in text
+    assert "speech: 2.00 s (25 codec frames" in text and "/tmp/a.wav" in text
