@@ -398,6 +398,8 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
               help="Codec frames the talker generates at most per reply (12.5 per second of speech).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the built-in calibration set.")
 @click.option("--force", is_flag=True, help="Redo finished segments (and start over if the settings changed).")
+@click.option("--quantize-vision/--no-quantize-vision", default=True, show_default=True,
+              help="INT4 vision blocks; --no-quantize-vision keeps the vision encoder BF16, as vLLM-Omni 0.30 needs.")
 @click.option("--sym/--asym", default=True, show_default=True,
               help="Symmetric 4-bit (what vLLM's GPTQ kernels take) or asymmetric; report.json measures the other.")
 @click.option("--served-model-name", default=None,
@@ -405,7 +407,8 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
                  quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts,
-                 speech_samples, reply_tokens, speech_frames, seed, force, sym, served_model_name, as_json):
+                 speech_samples, reply_tokens, speech_frames, seed, force, quantize_vision, sym, served_model_name,
+                 as_json):
     """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4, one resumable segment directory at a time."""
     from quantize.pipeline import QuantConfig, render_result, run_quantize
 
@@ -415,7 +418,7 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         quantize_code_predictor=quantize_code_predictor, quantize_code2wav=quantize_code2wav,
         quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
         speech_samples=speech_samples, thinker_new_tokens=reply_tokens, talker_new_tokens=speech_frames, seed=seed,
-        force=force, sym=sym, served_model_name=served_model_name,
+        force=force, quantize_vision=quantize_vision, sym=sym, served_model_name=served_model_name,
     )
     manifest = run_quantize(cfg)
     click.echo(json.dumps(manifest.summary(), indent=2) if as_json else render_result(out, manifest))

@@ -267,7 +267,7 @@ def _plan(model_dir: str, manifest, budget: int):
     return make_plan(PlanConfig(
         model=model_dir, budget=budget, group_size=spec.group_size, segments=segments,
         quantize_audio_encoder=spec.quantize_audio_encoder, quantize_code_predictor=spec.quantize_code_predictor,
-        quantize_code2wav=spec.quantize_code2wav,
+        quantize_code2wav=spec.quantize_code2wav, quantize_vision=spec.quantize_vision,
     ))
 
 

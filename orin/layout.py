@@ -28,6 +28,7 @@ class QuantSpec:
     quantize_code2wav: bool = False
     quantize_lm_head: bool = False
     sym: bool = True  # vLLM's GPTQ kernels take symmetric 4-bit only
+    quantize_vision: bool = True  # False for vLLM-Omni 0.30, which builds the vision tower without GPTQ
 
     def describe(self) -> dict:
         return {
@@ -39,7 +40,8 @@ class QuantSpec:
             "quantized": {
                 "thinker_text": "attention q/k/v/o projections and every routed expert's gate/up/down"
                 + (", lm_head" if self.quantize_lm_head else ""),
-                "vision_encoder": "every block's attn qkv/proj and mlp linear_fc1 (linear_fc2 stays BF16)",
+                "vision_encoder": "every block's attn qkv/proj and mlp linear_fc1 (linear_fc2 stays BF16)"
+                if self.quantize_vision else "stays BF16",
                 "talker": "attention projections, routed experts and the shared expert",
                 "audio_encoder": "encoder layers' linears" if self.quantize_audio_encoder else "stays BF16",
                 "code_predictor": "decoder layers' linears" if self.quantize_code_predictor else "stays BF16",
@@ -89,7 +91,7 @@ class Target:
 
 
 def enabled_components(spec: QuantSpec) -> set[str]:
-    comps = {"thinker_text", "vision_encoder", "talker"}
+    comps = {"thinker_text", "talker"} | ({"vision_encoder"} if spec.quantize_vision else set())
     if spec.quantize_audio_encoder:
         comps.add("audio_encoder")
     if spec.quantize_code_predictor:

@@ -56,6 +56,7 @@ class PlanConfig:
     quantize_audio_encoder: bool = False
     quantize_code_predictor: bool = False
     quantize_code2wav: bool = False
+    quantize_vision: bool = True
 
 
 @dataclass(frozen=True)
@@ -423,7 +424,8 @@ def make_plan(cfg: PlanConfig) -> PlanResult:
     segments = C.parse_segments(cfg.segments)
     config = load_config(cfg.model)
     spec = QuantSpec(group_size=cfg.group_size, quantize_audio_encoder=cfg.quantize_audio_encoder,
-                     quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav)
+                     quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav,
+                     quantize_vision=cfg.quantize_vision)
     sizes = size_model(config, spec, segments)
     req = request_from(cfg)
     tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget)

@@ -70,6 +70,7 @@ class QuantConfig:
     talker_min_new_tokens: int = 0
     speech_samples: int = 32  # speech pass: conversations run through generate() (plus the held-out ones)
     force: bool = False
+    quantize_vision: bool = True  # False: the vision encoder stays BF16 (vLLM-Omni 0.30 needs that)
     sym: bool = True  # symmetric 4-bit: what vLLM's GPTQ kernels take; --asym measures lower error on some layers
     served_model_name: str | None = None  # the model id `serve` answers to; None: qwen3-omni-int<bits>
     progress: bool | None = None  # None: bars when stderr is a terminal
@@ -80,7 +81,7 @@ class QuantConfig:
                          quantize_audio_encoder=self.quantize_audio_encoder,
                          quantize_code_predictor=self.quantize_code_predictor,
                          quantize_code2wav=self.quantize_code2wav, quantize_lm_head=self.quantize_lm_head,
-                         sym=self.sym)
+                         sym=self.sym, quantize_vision=self.quantize_vision)
 
 
 def quantizer_name() -> str:
@@ -387,7 +388,7 @@ def _check_modalities(cfg: QuantConfig, convs: list, comps: set[str], skipped: i
     """`convs`: conversations or the samples encoded from them, once `skipped` ones were skipped."""
     have = set().union(*(c.modalities for c in convs))
     left = f" left once {skipped} that cannot be encoded were skipped" if skipped else ""
-    if "vision_encoder" in comps and "image" not in have:
+    if "vision_encoder" in comps and cfg.quantize_vision and "image" not in have:
         raise InputError(f"{_source(cfg)}: no conversation{left} has an image, so the vision encoder cannot be "
                          "calibrated; add image entries (or leave its segment out of --segments)")
     if "audio_encoder" in comps and cfg.quantize_audio_encoder and "audio" not in have:

@@ -55,6 +55,22 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def searchable_tmp():
+    """A directory whose every ancestor everyone may search (pytest's tmp_path is under a 0700 one), so a test of
+    file access decides every mode on the way to what it checks."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="orin-test-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
 def single_torch_thread():
     with one_torch_thread():
         yield

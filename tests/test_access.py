@@ -9,7 +9,6 @@ import pwd
 import shutil
 import stat
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,8 @@ STRANGER = Identity(name="stranger", uid=54321, gids=frozenset({54321}))
 
 
 @pytest.fixture
-def base():
-    """A directory whose every ancestor is searchable by everyone (pytest's tmp_path is under a 0700 one), so the
-    test decides every mode on the way to the model."""
-    path = Path(tempfile.mkdtemp(prefix="orin-access-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
+def base(searchable_tmp):
+    return searchable_tmp
 
 
 def make_model(base: Path) -> tuple[Path, Path, Path]:

@@ -455,6 +455,22 @@ def test_vllm_omni_selection_differs_only_on_the_vision_tower(quantized_dir):
     assert all("builds it unquantized, the checkpoint holds GPTQ" in m for m in found)
 
 
+def test_a_bf16_vision_checkpoint_matches_vllm_omni_completely(tiny_model_dir, tmp_path):
+    """`orin-omni quantize --no-quantize-vision` writes what vLLM-Omni 0.30 builds: its vision tower BF16, declared
+    so; every layer of both vLLM-Omni stages and of upstream vLLM then agrees with the checkpoint."""
+    from quantize.pipeline import QuantConfig, run_quantize
+
+    out = tmp_path / "bf16-vision"
+    run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), samples=4, thinker_new_tokens=2,
+                             talker_new_tokens=2, talker_min_new_tokens=2, speech_samples=2, device="cpu",
+                             progress=False, quantize_vision=False))
+    qconfig = _qconfig(str(out))
+    assert r"-:.*visual\..*" in qconfig["dynamic"]
+    assert not any("visual" in m for m in qconfig["modules_in_block_to_quantize"][0])
+    assert selection_mismatches(str(out), omni=True) == []
+    assert selection_mismatches(str(out), omni=False) == []
+
+
 @pytest.mark.parametrize("break_it", ["hub names dropped", "asymmetric"])
 def test_vllm_checks_fail_on_a_broken_config(quantized_dir, break_it):
     """The checks above can fail: a list without the hub names selects no thinker attention or vision Linear

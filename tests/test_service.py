@@ -12,7 +12,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -699,14 +698,8 @@ def test_cli_served_model_name(tmp_path, model_dir):
 
 
 @pytest.fixture
-def open_base():
-    """A directory every ancestor of which everyone may search (pytest's tmp_path is under a 0700 one)."""
-    path = Path(tempfile.mkdtemp(prefix="orin-service-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
+def open_base(searchable_tmp):
+    return searchable_tmp
 
 
 def closed_model(base: Path) -> tuple[Path, Path, Path]:
