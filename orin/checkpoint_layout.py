@@ -78,16 +78,20 @@ def quantization_config(*, bits: int, group_size: int, sym: bool, damp: float, q
     }
 
 
+def fused_experts_modules(model) -> set[str]:
+    """The names of a model's fused MoE experts modules (transformers 5.x: gate_up_proj and down_proj)."""
+    return {n for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")}
+
+
 def model_quantization_config(model, spec, targets: list, damp: float, quantizer: str) -> dict:
     """quantization_config for a model whose INT4 modules are `targets` (orin.layout.Target) under `spec`."""
     from . import components as C
     from .layout import enabled_components
 
-    experts = [n for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
     return quantization_config(
         bits=spec.bits, group_size=spec.group_size, sym=spec.sym, damp=damp,
         quantized_linears=[t.path + suffix for t in targets for suffix, *_ in t.linears()],
-        all_experts_quantized=set(experts) <= {t.path for t in targets if t.kind == "experts"},
+        all_experts_quantized=fused_experts_modules(model) <= {t.path for t in targets if t.kind == "experts"},
         bf16_components=[c for c in C.NAMES if c not in enabled_components(spec)], quantizer=quantizer)
 
 

@@ -23,9 +23,10 @@ from pathlib import Path
 
 from . import __version__
 from . import components as C
-from .checkpoint_layout import VISION_FC2_RULE, read_header
+from .checkpoint_layout import VISION_FC2_RULE, fused_experts_modules, read_header
 from .errors import ModelError, UsageError
 from .hub_names import is_fused_experts, to_hub, to_runtime, unfused_names
+from .layout import enabled_components
 from .safetensors_stream import PlannedTensor, write_safetensors_stream
 
 OLD_SCHEMA = 1
@@ -176,7 +177,7 @@ def convert_checkpoint(cfg: ConvertConfig, log: Callable[[str], None] = lambda _
         qconfig = quantization_config(
             bits=spec.bits, group_size=spec.group_size, sym=spec.sym, damp=float(q.get("damp_percent", 0.05)),
             quantized_linears=linears, all_experts_quantized=_all_experts_quantized(model, linears),
-            bf16_components=[c for c in C.NAMES if c not in _enabled(spec)],
+            bf16_components=[c for c in C.NAMES if c not in enabled_components(spec)],
             quantizer=str(q.get("quantizer", "gptq")))
         copied = [f.path for f in old.shared_files if f.path != "config.json"]
         for rel in copied:
@@ -248,16 +249,8 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _enabled(spec) -> set[str]:
-    from .layout import enabled_components
-
-    return enabled_components(spec)
-
-
 def _all_experts_quantized(model, linears: list[str]) -> bool:
-    quantized = {m.group("experts") for m in map(_EXPERT_LINEAR.match, linears) if m}
-    experts = {n for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")}
-    return experts <= quantized
+    return fused_experts_modules(model) <= {m.group("experts") for m in map(_EXPERT_LINEAR.match, linears) if m}
 
 
 # ---------------------------------------------------------------------- one segment
