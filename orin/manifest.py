@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,11 +35,15 @@ def default_served_name(bits: int | None) -> str:
     return f"qwen3-omni-int{bits or 4}"
 
 
+# A model id clients can type (qwen3-omni-int4, Qwen/Qwen3-Omni-30B-A3B-Instruct) that the service's environment
+# file carries without quoting: one rule for the manifest, serve and install-service.
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+
+
 def check_served_name(name: str) -> str:
-    """A model id clients can type: non-empty, no white space, at most 128 characters."""
-    if not name or len(name) > 128 or any(ch.isspace() or not ch.isprintable() for ch in name):
-        raise UsageError(f"served model name {name!r}: use 1 to 128 printable characters without spaces, "
-                         "e.g. qwen3-omni-int4")
+    if not _SERVED_NAME.match(name):
+        raise UsageError(f"invalid served model name {name!r}: use letters, digits and . _ : / @ + - (at most "
+                         "128 characters, e.g. qwen3-omni-int4)")
     return name
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ServiceError, UsageError
+from .manifest import check_served_name
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -70,9 +71,6 @@ TMP_ROOTS = ("/tmp", "/var/tmp")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _CPU_QUOTA = re.compile(r"^[1-9][0-9]*%$")
-# What clients send as `model`: a name such as qwen3-omni or Qwen/Qwen3-Omni-30B-A3B-Instruct, nothing the
-# environment file would need quoting for.
-_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 # Characters that no quoting keeps intact through both the unit and EnvironmentFile= parsers.
 _BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f\"'\\$`]")
 _PLAIN_ENV = re.compile(r"^[A-Za-z0-9_./:@+,=-]+$")
@@ -192,11 +190,8 @@ def validate_unit(cfg: UnitConfig) -> None:
         raise UsageError(f"invalid watchdog interval {cfg.watchdog_sec}: must be at least 1 second")
     if cfg.max_queue is not None and cfg.max_queue < 1:
         raise UsageError(f"invalid max queue {cfg.max_queue}: must be at least 1")
-    if cfg.served_model_name is not None and not _SERVED_NAME.match(cfg.served_model_name):
-        raise UsageError(
-            f"invalid served model name {cfg.served_model_name!r}: use letters, digits and . _ : / @ + - "
-            "(at most 128 characters, e.g. qwen3-omni)"
-        )
+    if cfg.served_model_name is not None:
+        check_served_name(cfg.served_model_name)
     if cfg.power_mode is not None and cfg.power_mode not in POWER_MODES:
         raise UsageError(f"invalid power mode {cfg.power_mode!r}: use one of {', '.join(POWER_MODES)}")
     if cfg.platform != "jetson" and (cfg.power_mode or cfg.jetson_clocks):
