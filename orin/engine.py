@@ -159,8 +159,7 @@ class Engine:
         self.model = self.loader.model
         self.processor = build_processor(cfg.model_dir)
         self.tokenizer = self.processor.tokenizer
-        spec = self.ckpt.manifest.quant_spec()
-        self.sizes = size_model(self.config, spec, self.ckpt.manifest.segment_split(),
+        self.sizes = size_model(self.config, self.ckpt.spec, self.ckpt.split,
                                 dtype_bytes=torch.tensor([], dtype=self.dtype).element_size())
         self.model_name = self.ckpt.name
         self.meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend, hz=cfg.power_hz,
