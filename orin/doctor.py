@@ -99,7 +99,7 @@ class DoctorResult:
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "model_dir": self.model_dir, "user": self.user, "budget_bytes": self.budget,
-                "checks": [asdict(c) for c in self.checks]}
+                "checks": [asdict(c) for c in self.checks]}  # every check with its `fix`, empty or not
 
 
 # ------------------------------------------------------------------ what install-service left behind

@@ -10,14 +10,12 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from .checks import FAIL, PASS, SKIP, Check
 from .errors import OrinError
 from .service import size_text
 from .units import format_bytes
-
-PASS, FAIL, SKIP = "pass", "fail", "skip"
 
 # What orin-omni supports: Python 3.10 (JetPack 6) to 3.13, torch from 2.8 (the INT4 MoE prefill falls back to
 # torch._grouped_mm, which 2.8 brought). Bounds are inclusive (major, minor); None = no upper bound.
@@ -36,14 +34,6 @@ DISK_MIN_FREE = 1 << 30
 PTXAS_FIX = ("export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas (Triton's own ptxas may not know the GPU); "
              "for the service, add that line without 'export' to /etc/orin-omni/{name}.env")
 Runner = Callable[..., subprocess.CompletedProcess]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
 
 
 def _version(text: str) -> tuple[int, ...]:

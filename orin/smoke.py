@@ -18,8 +18,9 @@ import urllib.error
 import urllib.request
 import wave
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from .checks import FAIL, PASS, SKIP, Check
 from .errors import OrinError, UsageError
 from .units import format_bytes
 
@@ -27,7 +28,6 @@ SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920  # Qwen3-Omni's code2wav: 12.5 codec frames per second at 24 kHz
 FRAMES_PER_SECOND = SAMPLE_RATE / SAMPLES_PER_FRAME
 MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
-PASS, FAIL, SKIP = "pass", "fail", "skip"
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,6 @@ class SmokeConfig:
 
 
 @dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-
-
-@dataclass(frozen=True)
 class SmokeResult:
     target: str
     checks: tuple[Check, ...]
@@ -65,7 +58,7 @@ class SmokeResult:
         return all(c.status != FAIL for c in self.checks)
 
     def to_json(self) -> dict:
-        return {"target": self.target, "ok": self.ok, "checks": [asdict(c) for c in self.checks]}
+        return {"target": self.target, "ok": self.ok, "checks": [c.to_json() for c in self.checks]}
 
 
 @dataclass(frozen=True)
