@@ -31,7 +31,7 @@ test: venv system-deps
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) -m orin.demo --dir $(DEMO_DIR) --port $(DEMO_PORT)
+	$(PY) -m orin.devtools.demo --dir $(DEMO_DIR) --port $(DEMO_PORT)
 
 $(LINT_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LINT_VENV)

@@ -64,7 +64,7 @@ def cli():
 @click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in OUT.")
 def tiny_model_cmd(out, seed, force):
     """Write a tiny random Qwen3-Omni checkpoint (config, weights, tokenizer, processor) to OUT, offline."""
-    from .tiny import TinyModelConfig, write_tiny_model
+    from .devtools.tiny import TinyModelConfig, write_tiny_model
 
     path = write_tiny_model(TinyModelConfig(out=out, seed=seed, force=force))
     click.echo(f"tiny Qwen3-Omni written to {path}")
@@ -112,7 +112,7 @@ def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, te
 @click.option("--json", "as_json", is_flag=True, help="Print the energy report as JSON.")
 def power_cmd(backend, hz, seconds, sysfs_root, as_json):
     """Sample board power for a few seconds and print mean/peak watts and energy per rail."""
-    from .power import PowerProbeConfig, probe_power, render_report
+    from .power.meter import PowerProbeConfig, probe_power, render_report
 
     report = probe_power(PowerProbeConfig(backend=backend, hz=hz, seconds=seconds, sysfs_root=sysfs_root))
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else render_report(report))
@@ -154,7 +154,7 @@ def install_service_cmd(model_dir, name, user, host, port, budget, power_mode, j
     --fix-permissions. A user that does not exist yet is checked as the system user install-service creates
     (its own new group, so only the 'other' permission bits count); under a --root other than / such a user is
     created on the target, so its problems are printed as a warning instead."""
-    from .service_install import InstallConfig, install_service
+    from .service.install import InstallConfig, install_service
 
     cfg = InstallConfig(
         model_dir=model_dir, name=name, user=user, host=host, port=port, budget=budget, power_mode=power_mode,
@@ -172,7 +172,7 @@ def install_service_cmd(model_dir, name, user, host, port, budget, power_mode, j
 @click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
 def uninstall_service_cmd(name, root, dry_run):
     """Remove exactly the files install-service recorded for NAME (disabling the unit when --root is /)."""
-    from .service_install import UninstallConfig, uninstall_service
+    from .service.uninstall import UninstallConfig, uninstall_service
 
     uninstall_service(UninstallConfig(name=name, root=root, dry_run=dry_run), log=click.echo)
 
@@ -191,7 +191,7 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-audio-frames", type=click.IntRange(min=1), default=None,
               help="Cap on codec frames (12.5 per second of speech).")
-@click.option("--speaker", default="ethan", show_default=True, help="Voice name from the model config.")
+@click.option("--voice", default="ethan", show_default=True, help="Voice (a speaker name of the model config).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 = greedy.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -199,14 +199,14 @@ def uninstall_service_cmd(name, root, dry_run):
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
 def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_new_tokens, max_audio_frames,
-                 speaker, temperature, device, power_backend, as_json):
+                 voice, temperature, device, power_backend, as_json):
     """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
     energy, where the speech went) on stderr."""
     from .generate import GenerateConfig, run_generate
 
     run_generate(GenerateConfig(
         model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), out_wav=out_wav, speech=speech,
-        budget=budget, max_new_tokens=max_new_tokens, speaker=speaker, device=device, as_json=as_json,
+        budget=budget, max_new_tokens=max_new_tokens, voice=voice, device=device, as_json=as_json,
         power_backend=power_backend, temperature=temperature, max_audio_frames=max_audio_frames,
     ))
 
@@ -247,7 +247,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
               sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_speech_seconds,
               drain_seconds, served_model_name):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
-    from .server import ServeConfig, serve
+    from .serve.app import ServeConfig, serve
 
     serve(ServeConfig(
         model_dir=model_dir, host=host, port=port, budget=budget, api_key_file=api_key_file, max_queue=max_queue,
@@ -279,7 +279,7 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
               as_json):
     """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text and speech requests,
     TTFT, peak memory, WAV output, power. Exits 1 if any check fails."""
-    from .smoke import SmokeConfig, render_table, run_smoke
+    from .checks.smoke import SmokeConfig, render_table, run_smoke
 
     result = run_smoke(SmokeConfig(
         url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
@@ -311,7 +311,7 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
     """Check this board for orin-omni: Python, torch, CUDA, the INT4 kernel, Triton, CUDA graphs, power
     backends, nvpmodel, memory and disk, the checkpoint's checksums and permissions, the service. Exits 1 if any
     check fails, printing its fix."""
-    from .doctor import DoctorConfig, render_table, run_doctor
+    from .checks.doctor import DoctorConfig, render_table, run_doctor
 
     result = run_doctor(DoctorConfig(
         model_dir=model_dir, user=user, name=name, budget=budget, device=device, root=root, sysfs_root=sysfs_root,
@@ -342,9 +342,9 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
               help="Memory budget of a time-sliced run (repeatable: one run per budget).")
 @click.option("--skip-hf", is_flag=True, help="Do not run the HF transformers BF16 reference.")
 @click.option("--skip-sliced", is_flag=True, help="Do not run the time-sliced engine.")
-@click.option("--decode", "decode_modes", default="eager,graph,compiled", show_default=True,
-              help="Decode modes measured all-resident (eager, static, graph, compiled), comma-separated; the "
-                   "last one also runs time-sliced.")
+@click.option("--compile", "compile_settings", default="off,on", show_default=True,
+              help="torch.compile of the decoder layers, one all-resident engine per setting, comma-separated "
+                   "(off: run orin_graph, on: run orin_compiled); the last one also runs time-sliced.")
 @click.option("--profile/--no-profile", default=True, show_default=True, help="torch.profiler pass (CUDA only).")
 @click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
@@ -353,17 +353,17 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
 @click.option("--hf-repeats", type=click.IntRange(min=1), default=2, show_default=True,
               help="Measured HF generate() runs; the fastest is reported.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
-              audio_frames, budget_sliced, skip_hf, skip_sliced, decode_modes, profile, power_backend, json_out,
+              audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
               seed, hf_repeats):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
     and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps."""
-    from .bench import BenchConfig, render_table, run_bench
+    from .devtools.bench import BenchConfig, parse_compile, render_table, run_bench
 
     result = run_bench(BenchConfig(
         config=config, model_dir=model_dir, synthetic=synthetic, workdir=workdir, device=device,
         audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
         audio_frames=audio_frames, budget_sliced=tuple(budget_sliced), skip_hf=skip_hf, skip_sliced=skip_sliced,
-        decode_modes=_csv(decode_modes) or ("eager",), profile=profile, power_backend=power_backend,
+        compile=parse_compile(compile_settings), profile=profile, power_backend=power_backend,
         json_out=json_out, seed=seed, hf_repeats=hf_repeats,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
@@ -417,7 +417,7 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         samples=samples, device=device, quantize_audio_encoder=quantize_audio_encoder,
         quantize_code_predictor=quantize_code_predictor, quantize_code2wav=quantize_code2wav,
         quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
-        speech_samples=speech_samples, thinker_new_tokens=reply_tokens, talker_new_tokens=speech_frames, seed=seed,
+        speech_samples=speech_samples, reply_tokens=reply_tokens, speech_frames=speech_frames, seed=seed,
         force=force, quantize_vision=quantize_vision, sym=sym, served_model_name=served_model_name,
     )
     manifest = run_quantize(cfg)

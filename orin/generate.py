@@ -22,7 +22,7 @@ class GenerateConfig:
     speech: bool | None = None  # None: speak when --out-wav says where the speech goes
     budget: int | None = None
     max_new_tokens: int = 256
-    speaker: str = "ethan"
+    voice: str = "ethan"
     device: str = "auto"
     as_json: bool = False
     power_backend: str = "auto"
@@ -36,7 +36,7 @@ class GenerateConfig:
 
 def build_request(cfg: GenerateConfig):
     """Read the media files (any sample rate, resampled to 16 kHz; PNG/JPEG) into one user message."""
-    from .engine import GenerationRequest
+    from .contract import GenerationRequest
     from .media import load_audio, load_image
 
     if not (cfg.text or cfg.images or cfg.audios):
@@ -50,14 +50,16 @@ def build_request(cfg: GenerateConfig):
         parts.append({"type": "text", "text": cfg.text})
     return GenerationRequest(
         messages=({"role": "user", "content": parts},), max_new_tokens=cfg.max_new_tokens, speech=cfg.wants_speech,
-        speaker=cfg.speaker, temperature=cfg.temperature, max_audio_frames=cfg.max_audio_frames,
+        voice=cfg.voice, temperature=cfg.temperature, max_audio_frames=cfg.max_audio_frames,
     )
 
 
 def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
+    """Returns the report as JSON (with "wav": where the speech went, or None)."""
     out = sys.stdout if out is None else out  # looked up per call: a test runner swaps them after import
     err = sys.stderr if err is None else err
-    from .engine import AudioChunk, Done, Engine, EngineConfig, TextDelta
+    from .contract import AudioChunk, Done, TextDelta
+    from .engine import Engine, EngineConfig
     from .media import write_wav
 
     if cfg.out_wav and cfg.speech is False:
@@ -66,7 +68,7 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
                                  power_backend=cfg.power_backend))
     try:
-        chunks, report = [], {}
+        chunks, report = [], None
         for event in engine.stream(request):
             if isinstance(event, TextDelta) and not cfg.as_json:
                 out.write(event.text)
@@ -77,46 +79,47 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
                 report = event.report
     finally:
         engine.close()
-    report["wav"] = None
+    wav = None
     if cfg.out_wav:
         import numpy as np
 
-        from .engine import SAMPLE_RATE
+        from .audio_format import OUTPUT_SAMPLE_RATE
 
         samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-        write_wav(cfg.out_wav, samples, SAMPLE_RATE)
-        report["wav"] = str(Path(cfg.out_wav))
+        write_wav(cfg.out_wav, samples, OUTPUT_SAMPLE_RATE)
+        wav = str(Path(cfg.out_wav))
+    result = {**report.to_json(), "wav": wav}
     if cfg.as_json:
-        out.write(compact_json(report) + "\n")
+        out.write(compact_json(result) + "\n")
     else:
         out.write("\n")
         out.flush()
-        err.write(render_summary(report) + "\n")
-    return report
+        err.write(render_summary(report, wav) + "\n")
+    return result
 
 
-def render_summary(report: dict) -> str:
-    """Two or three lines under the answer: speed, memory, energy, and where the speech went (or why there is
-    none on disk)."""
+def render_summary(report, wav: str | None = None) -> str:
+    """Two or three lines under the answer (`report`: an orin.contract.Report): speed, memory, energy, and where
+    the speech went (or why there is none on disk)."""
     from .units import format_bytes
 
     def secs(v) -> str:
         return "-" if v is None else f"{v:.3f} s"
 
-    tps = report.get("tokens_per_s")
-    budget = report.get("budget_bytes")
+    tps = report.tokens_per_s
+    budget = report.budget_bytes
     lines = [
-        f"{report.get('completion_tokens', 0)} tokens in {secs(report.get('total_s'))} | TTFT "
-        f"{secs(report.get('ttft_s'))} | {'-' if tps is None else f'{tps:.1f}'} tokens/s | peak "
-        f"{format_bytes(report.get('peak_bytes') or 0)}"
+        f"{report.completion_tokens} tokens in {secs(report.total_s)} | TTFT "
+        f"{secs(report.ttft_s)} | {'-' if tps is None else f'{tps:.1f}'} tokens/s | peak "
+        f"{format_bytes(report.peak_bytes or 0)}"
         + (f" of a {format_bytes(budget)} budget" if budget else "")
-        + f" | {report.get('prompt_tokens', 0)} prompt tokens on {report.get('device', '?')}",
-        "energy: " + _energy_line(report.get("energy") or {}),
+        + f" | {report.prompt_tokens} prompt tokens on {report.device}",
+        "energy: " + _energy_line(report.energy),
     ]
-    frames, seconds = report.get("talker_frames", 0), report.get("audio_seconds", 0.0)
-    if report.get("wav"):
+    frames, seconds = report.talker_frames, report.audio_seconds
+    if wav:
         lines.append(f"speech: {seconds:.2f} s ({frames} codec frames, first audio after "
-                     f"{secs(report.get('first_audio_s'))}) written to {report['wav']}")
+                     f"{secs(report.first_audio_s)}) written to {wav}")
     elif frames:
         lines.append(f"speech: {seconds:.2f} s generated but not saved; pass --out-wav FILE to keep it")
     else:
@@ -124,13 +127,13 @@ def render_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _energy_line(energy: dict) -> str:
-    if not energy.get("available") or energy.get("joules") is None:
+def _energy_line(energy) -> str:
+    if not energy.available or energy.joules is None:
         return "not measured (no power backend was reading; `orin-omni power` shows which one works here)"
-    mean = energy.get("mean_w")
-    line = (f"{energy['joules']:.1f} J, mean {'-' if mean is None else f'{mean:.1f}'} W "
-            f"({' -> '.join(energy.get('backends') or [energy.get('backend', '?')])})")
-    return line + (f"; {energy['note']}" if energy.get("note") else "")
+    mean = energy.mean_w
+    line = (f"{energy.joules:.1f} J, mean {'-' if mean is None else f'{mean:.1f}'} W "
+            f"({' -> '.join(energy.backends or [energy.backend])})")
+    return line + (f"; {energy.note}" if energy.note else "")
 
 
 def compact_json(obj, indent: int = 2) -> str:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from .components import component_of
+from .errors import ModelError
 
 BF16 = 2
 
@@ -112,10 +113,30 @@ def gptq_v1_bytes(k: int, n: int, group_size: int, bias: bool) -> int:
     return -(-k // 8) * n * 4 + groups * (n // 8) * 4 + groups * n * 2 + k * 4 + (n * 2 if bias else 0)
 
 
-def runtime_int4_bytes(k: int, n: int, group_size: int, bias: bool) -> int:
-    """Resident bytes once converted to torch's int4pack layout: packed nibbles plus bf16 scale/zero pairs."""
+# torch's int4pack kernels (orin.int4pack) take these group sizes; a checkpoint's larger group repeats its scales
+# per kernel group. Outputs are padded to a multiple of INT4_N_ALIGN (the CPU kernel's requirement).
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+INT4_N_ALIGN = 16
+
+
+def kernel_group_size(group_size: int) -> int:
+    """The largest kernel group size dividing the checkpoint's group size (scales repeat group_size/kg times)."""
+    for kg in KERNEL_GROUP_SIZES:
+        if group_size % kg == 0:
+            return kg
+    raise ModelError(f"group size {group_size} is not a multiple of 32; the INT4 kernels need 32, 64, 128 or 256 "
+                     "— re-quantize")
+
+
+def runtime_int4_bytes(k: int, n: int, group_size: int, bias: bool, scale_bytes: int = BF16) -> int:
+    """Resident bytes of one GPTQ Linear [k -> n] once loaded in torch's int4pack layout (orin.int4pack): nibbles
+    over the padded shape (k up to whole groups, n up to INT4_N_ALIGN), a scale/zero pair per kernel group and
+    padded output, and the bias; scales and bias in the compute dtype (`scale_bytes` each: bf16 on CUDA). The one
+    formula: tests/test_int4.py checks it against the buffers of loaded modules."""
     kp = padded(k, group_size)
-    return kp * n // 2 + (kp // group_size) * n * 2 * BF16 + (n * BF16 if bias else 0)
+    n_pad = -(-n // INT4_N_ALIGN) * INT4_N_ALIGN
+    groups = kp // kernel_group_size(group_size)
+    return kp * n_pad // 2 + groups * n_pad * 2 * scale_bytes + (n * scale_bytes if bias else 0)
 
 
 def find_targets(model, spec: QuantSpec) -> list[Target]:
@@ -148,8 +169,14 @@ def target_file_bytes(t: Target, group_size: int) -> int:
     return sum(gptq_v1_bytes(k, n, group_size, b) for _, k, n, b in t.linears())
 
 
-def target_runtime_bytes(t: Target, group_size: int) -> int:
-    return sum(runtime_int4_bytes(k, n, group_size, b) for _, k, n, b in t.linears())
+def target_runtime_bytes(t: Target, group_size: int, scale_bytes: int = BF16) -> int:
+    """Resident bytes of a target once loaded (orin.int4): an experts target holds each expert's gate and up
+    projections as one [2I x H] layer, as HF's gate_up_proj, and its down projection."""
+    if t.kind == "experts":
+        gate_up = runtime_int4_bytes(t.in_features, 2 * t.intermediate, group_size, False, scale_bytes)
+        down = runtime_int4_bytes(t.intermediate, t.out_features, group_size, False, scale_bytes)
+        return t.num_experts * (gate_up + down)
+    return runtime_int4_bytes(t.in_features, t.out_features, group_size, t.bias, scale_bytes)
 
 
 def target_param_count(t: Target) -> int:

@@ -15,7 +15,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ from torch import nn
 
 from . import components as C
 from .checkpoint import Checkpoint
+from .contract import Swap
 from .errors import BudgetError, ModelError
 from .hub_names import expert_part, to_runtime
 
@@ -46,19 +47,6 @@ def params_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-@dataclass
-class Swap:
-    component: str
-    direction: str  # "in" or "out"
-    bytes: int
-    seconds: float
-    background: bool = False
-
-    def to_json(self) -> dict:
-        return {"component": self.component, "direction": self.direction, "bytes": self.bytes,
-                "seconds": round(self.seconds, 6), "background": self.background}
 
 
 @dataclass
@@ -91,11 +79,13 @@ class MemoryTracker:
 
 
 class Loader:
-    """Owns the skeleton and which components are resident. Not thread-safe beyond its own prefetch thread:
+    """Owns the skeleton, which components are resident, the request's memory accounting and the budget: every
+    decision that compares bytes with the budget is made here. Not thread-safe beyond its own prefetch thread:
     the engine serialises requests."""
 
     def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 budget: int | None = None):
+                 budget: int | None = None, estimates: dict[str, int] | None = None,
+                 on_swap: Callable[[Swap], None] | None = None):
         from transformers import Qwen3OmniMoeForConditionalGeneration
 
         from .int4 import convert_for_runtime
@@ -113,23 +103,61 @@ class Loader:
                 if buf is not None and buf.device.type != "meta":
                     buf_owner._buffers[name] = buf.to(device)
         self.model = model
-        self.memory = MemoryTracker(device)
-        self.swaps: list[Swap] = []
+        self._memory = MemoryTracker(device)
+        # bytes a component will take once loaded: the planner's figures until it has been loaded once
+        self._estimates = dict(estimates or {})
+        self._on_swap = on_swap
+        self._swaps: list[Swap] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orin-prefetch")
         self._pending: dict[str, Future] = {}
-        self._meta_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
     # ------------------------------------------------------------------ state
 
     def resident(self) -> tuple[str, ...]:
-        return tuple(c for c in C.NAMES if c in self.memory.resident)
+        return tuple(c for c in C.NAMES if c in self._memory.resident)
 
     def resident_bytes(self) -> int:
-        return sum(self.memory.resident.values())
+        return sum(self._memory.resident.values())
 
     def is_resident(self, component: str) -> bool:
-        return component in self.memory.resident
+        return component in self._memory.resident
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes each component takes on the device: measured where it has been loaded, else the estimate."""
+        return {**self._estimates, **self._memory.resident}
+
+    # ------------------------------------------------------------------ the request's memory
+
+    def begin_request(self) -> None:
+        """Forget the last request's swaps and start its peak from what is allocated now."""
+        self._swaps.clear()
+        self._memory.reset_peak()
+
+    def set_cache_bytes(self, nbytes: int) -> None:
+        """The KV caches the running stage holds (counted on CPU, where torch keeps no allocator statistics)."""
+        self._memory.dynamic = nbytes
+        self._memory.observe()
+
+    def observe(self) -> int:
+        return self._memory.observe()
+
+    def allocated_bytes(self) -> int:
+        return self._memory.current()
+
+    def peak_bytes(self) -> int:
+        return self._memory.peak
+
+    def swaps(self) -> tuple[Swap, ...]:
+        """The swaps since begin_request()."""
+        with self._lock:
+            return tuple(self._swaps)
+
+    def _record(self, swap: Swap) -> None:
+        with self._lock:
+            self._swaps.append(swap)
+        if self._on_swap is not None:
+            self._on_swap(swap)
 
     # ------------------------------------------------------------------ loading
 
@@ -141,7 +169,6 @@ class Loader:
             if tuple(old.shape) != tuple(tensor.shape):
                 raise ModelError(f"{key}: checkpoint shape {tuple(tensor.shape)} does not match the model's "
                                  f"{tuple(old.shape)}; the checkpoint is for another model")
-            self._meta_shapes.setdefault(key, (old.shape, old.dtype))
             if tensor.is_floating_point():
                 tensor = tensor.to(self.dtype)
             module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
@@ -177,9 +204,9 @@ class Loader:
         start = time.perf_counter()
         nbytes = self._load_now(component)
         with self._lock:
-            self.memory.resident[component] = nbytes
-            self.swaps.append(Swap(component, "in", nbytes, time.perf_counter() - start, background))
-        self.memory.observe()
+            self._memory.resident[component] = nbytes
+        self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background))
+        self._memory.observe()
         log.info("swap in  %-15s %10d bytes %.3f s%s", component, nbytes, time.perf_counter() - start,
                  " (prefetch)" if background else "")
 
@@ -206,7 +233,7 @@ class Loader:
         if not self.is_resident(component):
             return
         start = time.perf_counter()
-        before = self.memory.current()
+        before = self._memory.current()
         for name, param in list(self.model.named_parameters()):
             if C.component_of(name) != component or param.device.type == "meta":
                 continue
@@ -221,8 +248,8 @@ class Loader:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         with self._lock:
-            nbytes = self.memory.resident.pop(component)
-            self.swaps.append(Swap(component, "out", nbytes, time.perf_counter() - start))
+            nbytes = self._memory.resident.pop(component)
+        self._record(Swap(component, "out", nbytes, time.perf_counter() - start))
         if self.device.type == "cuda":
             freed = before - torch.cuda.memory_allocated(self.device)
             if freed < nbytes * 0.9:
@@ -230,19 +257,34 @@ class Loader:
                                    "its tensors")
         log.info("swap out %-15s %10d bytes %.3f s", component, nbytes, time.perf_counter() - start)
 
-    def make_room(self, keep: tuple[str, ...], incoming: int, working: int) -> None:
-        """Evict components outside `keep` (least recently needed first, in pipeline order) until the
-        resident bytes plus `incoming` and `working` fit the budget."""
-        if self.budget is None:
+    def stage(self, comps: tuple[str, ...], working: int, next_comps: tuple[str, ...] = (),
+              prefetch: bool = True) -> None:
+        """Make `comps` resident with `working` bytes (KV caches, activations, margin) beside them, evicting other
+        components (in pipeline order) where the budget needs it; then start loading `next_comps` in the
+        background where they fit beside all that."""
+        incoming = sum(self.sizes()[c] for c in comps if not self.is_resident(c))
+        if self.budget is not None:
+            for comp in C.PIPELINE:
+                if self.resident_bytes() + incoming + working <= self.budget:
+                    break
+                if self.is_resident(comp) and comp not in comps:
+                    self.evict(comp)
+            if self.resident_bytes() + incoming + working > self.budget:
+                raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident "
+                                  f"{self.resident_bytes()} + loading {incoming} + working {working} bytes")
+        for c in comps:
+            self.ensure(c)
+        self._memory.observe()
+        if not prefetch:
             return
-        for comp in C.PIPELINE:
-            if self.resident_bytes() + incoming + working <= self.budget:
-                return
-            if comp in self.memory.resident and comp not in keep:
-                self.evict(comp)
-        if self.resident_bytes() + incoming + working > self.budget:
-            raise BudgetError(f"cannot fit {', '.join(keep)} in the budget: resident "
-                              f"{self.resident_bytes()} + loading {incoming} + working {working} bytes")
+        queued = 0  # a prefetch counts as resident only once it lands: count the ones queued here ourselves
+        for c in next_comps:
+            if self.is_resident(c) or c in self._pending:
+                continue
+            size = self.sizes()[c]
+            if self.budget is None or self.resident_bytes() + queued + size + working <= self.budget:
+                self.prefetch(c)
+                queued += size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

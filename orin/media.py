@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
+from .audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from .errors import InputError, UsageError
 from .fsutil import atomic_write_bytes
 
 Source = str | os.PathLike | bytes | bytearray | memoryview
 
-TARGET_SR = 16_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 DEFAULT_MAX_PIXELS = 16_000_000
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -93,7 +93,7 @@ def mp3_supported() -> bool:
     return "MP3" in sf.available_formats()
 
 
-def load_audio(src: Source, *, target_sr: int = TARGET_SR, max_seconds: float | None = None,
+def load_audio(src: Source, *, target_sr: int = INPUT_SAMPLE_RATE, max_seconds: float | None = None,
                name: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
     """Decode `src` (a path or the file's bytes) to mono float32 at `target_sr` Hz. Multi-channel audio is
     averaged. Raises InputError for a missing, empty, corrupt, unsupported, silent-length or too-long input."""
@@ -184,7 +184,7 @@ def resample(x: np.ndarray, src_sr: int, dst_sr: int, *, zeros: int = 24, rollof
     return out
 
 
-def encode_wav(samples: np.ndarray, sr: int = 24_000) -> bytes:
+def encode_wav(samples: np.ndarray, sr: int = OUTPUT_SAMPLE_RATE) -> bytes:
     """16-bit PCM WAV bytes. Float input is in [-1, 1] (clipped); int16 input is written as is; a 2-D input is
     (frames, channels)."""
     arr = np.asarray(samples)
@@ -210,7 +210,7 @@ def encode_wav(samples: np.ndarray, sr: int = 24_000) -> bytes:
     return buf.getvalue()
 
 
-def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int = 24_000) -> Path:
+def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int = OUTPUT_SAMPLE_RATE) -> Path:
     """Write 16-bit PCM WAV atomically: a killed run never leaves a half-written file."""
     atomic_write_bytes(path, encode_wav(samples, sr))
     return Path(path)
@@ -297,7 +297,7 @@ def _check_length(seconds: float, sr: int) -> int:
     return int(round(seconds * sr))
 
 
-def synth_tone(seconds: float, sr: int = TARGET_SR, freqs: Sequence[float] = (440.0,), *, amplitude: float = 0.5,
+def synth_tone(seconds: float, sr: int = INPUT_SAMPLE_RATE, freqs: Sequence[float] = (440.0,), *, amplitude: float = 0.5,
                noise: float = 0.0, seed: int = 0) -> np.ndarray:
     """A sum of sines with peak `amplitude`, plus Gaussian noise of standard deviation `noise`; float32."""
     n = _check_length(seconds, sr)
@@ -318,7 +318,7 @@ def synth_tone(seconds: float, sr: int = TARGET_SR, freqs: Sequence[float] = (44
 _VOWELS = ((730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 2480), (570, 840, 2410))
 
 
-def synth_speechlike(seconds: float, sr: int = TARGET_SR, seed: int = 0) -> np.ndarray:
+def synth_speechlike(seconds: float, sr: int = INPUT_SAMPLE_RATE, seed: int = 0) -> np.ndarray:
     """Voice-like audio: a glottal harmonic series with pitch drift and vibrato (FM), shaped by vowel formants,
     in syllables of 120-300 ms (AM) grouped into words separated by pauses. Deterministic for a seed; float32
     with a peak of 0.5. Not speech, but it exercises an audio encoder with speech's spectrum and rhythm."""

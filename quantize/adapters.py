@@ -16,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orin.errors import OrinError, UsageError
-from orin.layout import Target
+from orin.layout import KERNEL_GROUP_SIZES, Target
 
 PINNED = {"gptqmodel": "7.6.0", "transformers": "5.23.0"}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 
 _ATTN_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _ATTN_O = ("self_attn.o_proj",)
@@ -156,7 +155,7 @@ def check_group_size(targets: list[Target], group_size: int, bits: int) -> None:
     if bits != 4:
         raise UsageError(f"--bits {bits} is not supported: the checkpoint format and the device kernels are 4-bit "
                          "(use --bits 4)")
-    if group_size not in KERNEL_GROUP_SIZES:
+    if group_size not in KERNEL_GROUP_SIZES:  # the device's INT4 kernels' group sizes
         raise UsageError(f"--group-size {group_size} is not supported: use 32, 64, 128 or 256 (the group sizes "
                          "the device's INT4 kernels take)")
     bad: dict[int, list[str]] = {}

@@ -30,7 +30,7 @@ import torch
 from . import adapters as A
 
 if TYPE_CHECKING:
-    from .calibration import PassResult
+    from .skips import PassResult
 
 
 class StopForward(Exception):
@@ -182,7 +182,7 @@ _THINKER_NEEDS = {"thinker_text": "text", "vision_encoder": "image", "audio_enco
 def capture_thinker_pass(model, samples, stacks: set[str], reference: bool, runner
                          ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs], PassResult | None]:
     """First-layer calls of the thinker-side stacks in `stacks`, and (reference=True) the BF16 outputs of the
-    held-out samples, by sample name, through `runner` (a calibration.PassRunner: conversations the model fails
+    held-out samples, by sample name, through `runner` (a skips.PassRunner: conversations the model fails
     on are skipped). Calibration-only conversations stop at the text decoder's first layer: the encoders run
     before it, and nothing after it is needed. No pass (None) when nothing is wanted from it."""
     from orin.components import BY_NAME
@@ -224,9 +224,9 @@ def capture_thinker_pass(model, samples, stacks: set[str], reference: bool, runn
 
 @dataclass(frozen=True)
 class SpeechSettings:
-    thinker_new_tokens: int = 64
-    talker_new_tokens: int = 128
-    talker_min_new_tokens: int = 0
+    reply_tokens: int = 64
+    speech_frames: int = 128
+    min_speech_frames: int = 0
     max_conversations: int = 32  # held-out ones always run; generate() is the slow part of calibration
 
 
@@ -307,7 +307,7 @@ def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool 
     decode_audio is False: generate() then stops once the talker is done). UnusableConversation when the thinker
     or the talker replies with nothing (transformers' generate() itself fails on a talker that speaks no frame:
     RuntimeError "stack expects a non-empty TensorList")."""
-    from .calibration import UnusableConversation
+    from .skips import UnusableConversation
 
     talker_model = model.talker.model
     predictor_model = model.talker.code_predictor.model
@@ -324,10 +324,10 @@ def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool 
                 _stop_at(None if decode_audio else model.code2wav):
             model.generate(
                 **sample.prompt_inputs, speaker=speaker, return_audio=True,
-                thinker_max_new_tokens=settings.thinker_new_tokens, thinker_do_sample=False,
+                thinker_max_new_tokens=settings.reply_tokens, thinker_do_sample=False,
                 thinker_eos_token_id=model.config.im_end_token_id,
-                talker_max_new_tokens=settings.talker_new_tokens,
-                talker_min_new_tokens=settings.talker_min_new_tokens, talker_do_sample=False,
+                talker_max_new_tokens=settings.speech_frames,
+                talker_min_new_tokens=settings.min_speech_frames, talker_do_sample=False,
             )
     except (RuntimeError, ValueError, IndexError) as exc:
         empty = _empty_reply(model, sample, thinker_results, talker_results)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from orin import __version__
 from orin import components as C
+from orin.device import pick_device
 from orin.errors import InputError, ModelError, UsageError
 from orin.layout import QuantSpec
 from orin.manifest import (
@@ -39,8 +40,8 @@ from orin.manifest import (
     write_segment_entry,
 )
 
-from .calibration import BUILTIN_SOURCE, Skips
 from .progress import Progress
+from .skips import BUILTIN_SOURCE, Skips
 
 DEFAULT_SAMPLES = 128
 DEFAULT_MIN_EXPERT_TOKENS = 64
@@ -65,9 +66,9 @@ class QuantConfig:
     starved_experts: str = "all-tokens"  # or "rtn"
     damp: float = 0.05
     seed: int = 0
-    thinker_new_tokens: int = 64  # speech pass: reply tokens the thinker generates per conversation
-    talker_new_tokens: int = 128  # speech pass: codec frames the talker generates at most (~10 s of speech)
-    talker_min_new_tokens: int = 0
+    reply_tokens: int = 64  # speech pass: reply tokens the thinker generates per conversation
+    speech_frames: int = 128  # speech pass: codec frames the talker generates at most (~10 s of speech)
+    min_speech_frames: int = 0
     speech_samples: int = 32  # speech pass: conversations run through generate() (plus the held-out ones)
     force: bool = False
     quantize_vision: bool = True  # False: the vision encoder stays BF16 (vLLM-Omni 0.30 needs that)
@@ -177,8 +178,8 @@ class _Session:
         from orin.layout import find_targets
 
         from . import adapters as A
-        from .calibration import PassRunner
         from .capture import SpeechSettings, capture_speech_pass, capture_thinker_pass
+        from .skips import PassRunner
 
         calibration = _calib_info(cfg, samples)
         torch.manual_seed(cfg.seed)
@@ -203,7 +204,7 @@ class _Session:
                 raise ModelError(f"{plan['model_dir']}: the config has enable_audio_output false (no talker); "
                                  "leave the speech components out of --segments")
             log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
-            settings = SpeechSettings(cfg.thinker_new_tokens, cfg.talker_new_tokens, cfg.talker_min_new_tokens,
+            settings = SpeechSettings(cfg.reply_tokens, cfg.speech_frames, cfg.min_speech_frames,
                                       cfg.speech_samples)
             speech, talker_refs, speech_pass = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS),
                                                                    settings, "talker" in comps, runner)
@@ -288,7 +289,7 @@ def _validate(cfg: QuantConfig) -> dict:
     skeleton = meta_model(config)
     targets = find_targets(skeleton, cfg.spec)
     check_group_size(targets, cfg.group_size, cfg.bits)
-    device = _device(cfg.device)
+    device = pick_device(cfg.device)
     config_sha = hashlib.sha256(config_path(model_dir).read_bytes()).hexdigest()
     out = Path(cfg.out)
     if out.resolve() == model_dir.resolve():
@@ -403,7 +404,7 @@ def _source(cfg: QuantConfig) -> str:
 def _encode(cfg: QuantConfig, plan: dict, convs: list, skips: Skips) -> list:
     """The conversations as model inputs on the device, the held-out ones marked; those the processor cannot
     encode are skipped."""
-    from orin.tiny import build_processor
+    from orin.processor import build_processor
 
     from .calibration import hold_out, to_samples
 
@@ -420,20 +421,6 @@ def _calib_info(cfg: QuantConfig, samples: list) -> dict:
 
 
 # ---------------------------------------------------------------------- model
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise UsageError(f"--device {name!r}: not a device ({exc}); use cpu or cuda") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA GPU is available to this torch build; use --device cpu")
-    return device
 
 
 def _load_model(model_dir: Path, config, device):

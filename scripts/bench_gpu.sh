@@ -10,6 +10,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl transformers==5.23.0 regex==2026.11.15
 # and the device call carries `.whl`. Results go to $OUT (bench.json, bench.log, gpu.txt).
+# BENCH_COMPILE: the all-resident engines' torch.compile settings, in order (runs orin_graph = off, orin_compiled =
+# on; the last one also runs time-sliced).
 set -uo pipefail
 OUT=${OUT:-build/bench-out}
 WORK=${BENCH_WORKDIR:-/tmp/orin-bench}
@@ -26,7 +28,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 timeout -s INT "$LIMIT" python3 -m orin.cli bench \
   --config tests/data/qwen3-omni-30b-a3b-instruct.config.json --synthetic --workdir "$WORK" \
   --audio-seconds 30 --images 1 --text-tokens 256 --audio-frames 100 --budget-sliced 18GiB --budget-sliced 17GiB \
-  --decode "${BENCH_DECODE:-eager,graph,compiled}" --power-backend nvml --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+  --compile "${BENCH_COMPILE:-off,on}" --power-backend nvml --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 rc=${PIPESTATUS[0]}
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader >> "$OUT/gpu.txt" 2>&1
 rm -rf "$WORK"

@@ -27,7 +27,7 @@ def real_config() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from orin.tiny import TinyModelConfig, write_tiny_model
+    from orin.devtools.tiny import TinyModelConfig, write_tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "model"
     write_tiny_model(TinyModelConfig(out=str(out), seed=0))
@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 # Few conversations and short speech keep the tiny model's GPTQ run at seconds; 24 conversations is what GPTQ
 # needs on the tiny model to beat round-to-nearest on held-out inputs for every layer type.
-TINY_QUANTIZE = {"samples": 24, "thinker_new_tokens": 6, "talker_new_tokens": 8, "talker_min_new_tokens": 8,
+TINY_QUANTIZE = {"samples": 24, "reply_tokens": 6, "speech_frames": 8, "min_speech_frames": 8,
                  "device": "cpu", "progress": False}
 
 
@@ -108,14 +108,17 @@ def pytest_addoption(parser):
                     help="Run the `device` tests against this server (env ORIN_OMNI_DEVICE_URL).")
     group.addoption("--device-model-dir", default=os.environ.get("ORIN_OMNI_DEVICE_MODEL_DIR"),
                     help="Run the `device` tests in-process on this checkpoint (env ORIN_OMNI_DEVICE_MODEL_DIR).")
+    group.addoption("--device-gpu", action="store_true", default=bool(os.environ.get("ORIN_OMNI_DEVICE_GPU")),
+                    help="Run the `device` tests that need only a CUDA GPU (the decode path's kernels on the tiny "
+                         "synthetic checkpoint; env ORIN_OMNI_DEVICE_GPU=1).")
     group.addoption("--device-api-key-file", default=os.environ.get("ORIN_OMNI_DEVICE_API_KEY_FILE"),
                     help="API key file for --device-url (env ORIN_OMNI_DEVICE_API_KEY_FILE).")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--device-url") or config.getoption("--device-model-dir"):
+    if config.getoption("--device-url") or config.getoption("--device-model-dir") or config.getoption("--device-gpu"):
         return
-    skip = pytest.mark.skip(reason="real-hardware test: give --device-url URL or --device-model-dir DIR")
+    skip = pytest.mark.skip(reason="real-hardware test: give --device-url URL, --device-model-dir DIR or --device-gpu")
     for item in items:
         if "device" in item.keywords:
             item.add_marker(skip)
@@ -124,9 +127,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def device_target(pytestconfig) -> dict:
     """Where the `device` tests run: {"url": ...} or {"model_dir": ...}, plus "api_key_file" when given."""
-    url = pytestconfig.getoption("--device-url")
-    target = {"url": url} if url else {"model_dir": pytestconfig.getoption("--device-model-dir")}
+    url, model_dir = pytestconfig.getoption("--device-url"), pytestconfig.getoption("--device-model-dir")
+    if not (url or model_dir):
+        pytest.skip("needs the service or a checkpoint: give --device-url URL or --device-model-dir DIR")
+    target = {"url": url} if url else {"model_dir": model_dir}
     key = pytestconfig.getoption("--device-api-key-file")
     if key:
         target["api_key_file"] = key
     return target
+
+
+@pytest.fixture(scope="session")
+def synthetic_dir(tmp_path_factory) -> str:
+    from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("synthetic") / "ckpt"
+    write_synthetic_checkpoint(SyntheticConfig(config="tiny", out=str(out), device="cpu", seed=3))
+    return str(out)

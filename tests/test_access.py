@@ -1,4 +1,4 @@
-"""orin.access: whether a system user can read a model directory and run the interpreter, decided from modes,
+"""orin.service.access: whether a system user can read a model directory and run the interpreter, decided from modes,
 owners and groups; the fixes it prints and applies; and, as root, the verdict checked against a real
 unprivileged user running cat and an interpreter."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from orin.access import (
+from orin.errors import ModelError, ServiceError
+from orin.service.access import (
     NEW_SYSTEM_USER,
     AccessProblem,
     Identity,
@@ -22,7 +23,6 @@ from orin.access import (
     fix_access,
     model_access_problems,
 )
-from orin.errors import ModelError, ServiceError
 
 STRANGER = Identity(name="stranger", uid=54321, gids=frozenset({54321}))
 

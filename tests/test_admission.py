@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orin.admission import Abandoned, Closed, Gate, QueueFull
+from orin.serve.admission import Abandoned, Closed, Gate, QueueFull
 
 
 def _hold(gate: Gate, entered: threading.Event, release: threading.Event, order: list, name: str,

@@ -7,12 +7,16 @@ import base64
 import io
 import json
 import wave
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from orin.chat_api import (
+from orin.contract import Report
+from orin.errors import BudgetError, InputError, ModelError
+from orin.media import encode_wav, synth_image, synth_tone
+from orin.serve.protocol import (
     ApiError,
     Limits,
     audio_delta,
@@ -20,13 +24,13 @@ from orin.chat_api import (
     chunk,
     completion_body,
     encode_pcm16,
+    generation_request,
     parse_chat,
     parse_json,
     sse,
     text_delta,
+    to_api_error,
 )
-from orin.errors import InputError
-from orin.media import encode_wav, synth_image, synth_tone
 
 LIMITS = Limits(max_audio_seconds=5.0, max_image_pixels=10_000)
 
@@ -196,7 +200,18 @@ def test_unknown_model_is_404_model_not_found():
     assert info.value.status == 404 and info.value.code == "model_not_found"
 
 
-REPORT = {"prompt_tokens": 11, "completion_tokens": 4, "ttft_s": 0.1}
+def _report(**overrides) -> Report:
+    from orin.power.energy import Energy, EnergyReport
+
+    fields = dict(text="hello", prompt_tokens=11, completion_tokens=4, token_ids=(1, 2, 3, 4), ttft_s=0.1,
+                  first_audio_s=None, tokens_per_s=None, total_s=0.5, talker_frames=0, talker_s=0.0,
+                  audio_seconds=0.0, peak_bytes=1, budget_bytes=None, device="cpu", schedule=(),
+                  streaming_speech=False, swaps=(), resident_after=(), cancelled=False, finish_reason="length",
+                  energy=EnergyReport("request", "none", ("none",), Energy(None, None, None, 0.5)))
+    return Report(**{**fields, **overrides})
+
+
+REPORT = _report()  # 4 tokens of max_tokens 4: the engine says "length"
 
 
 def test_completion_body_text_and_audio():
@@ -213,7 +228,7 @@ def test_completion_body_text_and_audio():
 
     req = _parse({**_user({"type": "text", "text": "x"}), "max_tokens": 8, "modalities": ["text", "audio"]})
     samples = np.linspace(-1, 1, 2400, dtype=np.float32)
-    body = completion_body(req, "tiny", ids, "hello", samples, REPORT)
+    body = completion_body(req, "tiny", ids, "hello", samples, replace(REPORT, finish_reason="stop"))
     msg = body["choices"][0]["message"]
     assert msg["content"] is None and body["choices"][0]["finish_reason"] == "stop"
     assert msg["audio"]["id"] == "audio_1" and msg["audio"]["transcript"] == "hello"
@@ -242,3 +257,26 @@ def test_stream_chunks_and_sse_framing():
 
 def test_encode_pcm16_clips():
     assert np.frombuffer(encode_pcm16(np.array([2.0, -2.0, 0.5])), "<i2").tolist() == [32767, -32767, 16384]
+
+
+def test_generation_request_from_a_chat_request():
+    req = _parse({**_user({"type": "text", "text": "x"}), "max_tokens": 9, "temperature": 0.5, "seed": 4,
+                  "modalities": ["text", "audio"], "audio": {"voice": "Chelsie"}})
+    greq = generation_request(req, max_speech_seconds=0.8)
+    assert (greq.max_new_tokens, greq.temperature, greq.seed, greq.speech) == (9, 0.5, 4, True)
+    assert greq.voice == "chelsie" and greq.max_audio_frames == 10  # 0.8 s at 12.5 codec frames a second
+    plain = generation_request(_parse(_user({"type": "text", "text": "x"})))
+    assert not plain.speech and plain.max_audio_frames is None and plain.voice == "ethan"  # the engine's default
+
+
+def test_finish_reason_and_errors_map_to_the_api():
+    ids = ("chatcmpl-1", "audio_1", 1700000000)
+    req = _parse(_user({"type": "text", "text": "x"}))
+    for engine_reason, api_reason in (("stop", "stop"), ("length", "length"), ("cancelled", "stop")):
+        body = completion_body(req, "tiny", ids, "x", None, replace(REPORT, finish_reason=engine_reason))
+        assert body["choices"][0]["finish_reason"] == api_reason
+    assert (to_api_error(BudgetError("too big")).status, to_api_error(BudgetError("x")).code) == (400, "budget_exceeded")
+    assert to_api_error(InputError("bad clip")).status == 400
+    assert to_api_error(ModelError("weights missing")).type == "server_error"
+    err = to_api_error(RuntimeError("boom"))
+    assert err.status == 500 and "RuntimeError: boom" in err.message

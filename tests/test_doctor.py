@@ -14,14 +14,14 @@ import pytest
 from click.testing import CliRunner
 from test_power import AGX_ORIN, make_hwmon_tree
 
+from orin.checks.doctor import DoctorConfig, render_table, run_doctor
+from orin.checks.doctor_checks import FAIL, PASS, SKIP, TORCH_INSTALL, check_python, torch_install_hint
+from orin.checks.smoke import Check as SmokeCheck
+from orin.checks.smoke import SmokeResult
+from orin.checks.smoke import render_table as render_smoke
 from orin.cli import cli
-from orin.doctor import DoctorConfig, render_table, run_doctor
-from orin.doctor_checks import FAIL, PASS, SKIP, TORCH_INSTALL, check_python, torch_install_hint
 from orin.errors import UsageError
-from orin.service_install import InstallConfig, install_service
-from orin.smoke import Check as SmokeCheck
-from orin.smoke import SmokeResult
-from orin.smoke import render_table as render_smoke
+from orin.service.install import InstallConfig, install_service
 
 GiB = 1 << 30
 ME = pwd.getpwuid(os.getuid()).pw_name

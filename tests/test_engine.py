@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -11,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from orin.cli import cli
-from orin.engine import AudioChunk, Done, Engine, EngineConfig, GenerationRequest, TextDelta
+from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
+from orin.engine import Engine, EngineConfig
 from orin.errors import BudgetError, ChecksumError, InputError
 from orin.media import synth_image, synth_speechlike
 
@@ -40,13 +40,13 @@ def test_text_only_loads_no_encoder_and_no_talker(quantized_dir):
         req = GenerationRequest(messages=({"role": "user", "content": "Hello there"},), max_new_tokens=6, speech=False)
         _, text, chunks, report = _collect(eng, req)
         assert chunks == []
-        assert [s["component"] for s in report["swaps"]] == ["thinker_text"]
-        assert report["resident_after"] == ["thinker_text"]
-        assert 1 <= report["completion_tokens"] <= 6
-        assert text == report["text"]
+        assert [s.component for s in report.swaps] == ["thinker_text"]
+        assert report.resident_after == ("thinker_text",)
+        assert 1 <= report.completion_tokens <= 6
+        assert text == report.text
         for key in ("ttft_s", "tokens_per_s", "peak_bytes", "swaps", "energy"):
-            assert key in report
-        assert report["energy"]["backend"] == "none" and report["energy"]["joules"] is None
+            assert key in report.to_json()
+        assert report.energy.backend == "none" and report.energy.joules is None
     finally:
         eng.close()
 
@@ -54,38 +54,38 @@ def test_text_only_loads_no_encoder_and_no_talker(quantized_dir):
 def test_image_audio_text_with_speech(engine):
     req = GenerationRequest(messages=_mm_messages(), max_new_tokens=10, max_audio_frames=20)
     events, text, chunks, report = _collect(engine, req)
-    assert report["talker_frames"] > 0 and chunks
+    assert report.talker_frames > 0 and chunks
     audio = np.concatenate(chunks)
     assert audio.dtype == np.float32 and np.isfinite(audio).all() and np.abs(audio).max() <= 1.0
     # Causal code2wav trims a little at each chunk edge; never more than a frame per chunk.
-    frames = report["talker_frames"]
+    frames = report.talker_frames
     assert frames * SAMPLES_PER_FRAME - len(chunks) * SAMPLES_PER_FRAME <= audio.size <= frames * SAMPLES_PER_FRAME
-    assert report["audio_seconds"] == pytest.approx(audio.size / 24000)
+    assert report.audio_seconds == pytest.approx(audio.size / 24000)
     # The first audio packet is out before the last text token: speech streams.
     kinds = [type(e).__name__ for e in events]
     assert kinds.index("AudioChunk") < max(i for i, k in enumerate(kinds) if k == "TextDelta") or \
-        report["completion_tokens"] < 8
-    assert report["streaming_speech"] is True
-    assert 0 < report["ttft_s"] <= report["first_audio_s"] <= report["total_s"]
+        report.completion_tokens < 8
+    assert report.streaming_speech is True
+    assert 0 < report.ttft_s <= report.first_audio_s <= report.total_s
     # where the time to the first outputs went, in the order it happened
-    timeline = report["timeline_s"]
+    timeline = report.timeline_s
     assert list(timeline) == sorted(timeline, key=timeline.get)
     assert {"prepared", "planned", "encoded", "prefilled", "first_token", "talker_prefilled",
             "first_audio"} <= set(timeline)
-    assert timeline["first_token"] == pytest.approx(report["ttft_s"], abs=1e-3)
-    assert timeline["first_audio"] == pytest.approx(report["first_audio_s"], abs=1e-3)
+    assert timeline["first_token"] == pytest.approx(report.ttft_s, abs=1e-3)
+    assert timeline["first_audio"] == pytest.approx(report.first_audio_s, abs=1e-3)
 
 
 def test_streamed_equals_non_streamed(engine):
     base = dict(messages=_mm_messages(), max_new_tokens=12, max_audio_frames=24)
     _, text_s, chunks_s, rep_s = _collect(engine, GenerationRequest(stream_speech=True, **base))
     _, text_n, chunks_n, rep_n = _collect(engine, GenerationRequest(stream_speech=False, **base))
-    assert rep_s["streaming_speech"] and not rep_n["streaming_speech"]
-    assert rep_s["token_ids"] == rep_n["token_ids"] and text_s == text_n
-    assert rep_s["talker_frames"] == rep_n["talker_frames"]
+    assert rep_s.streaming_speech and not rep_n.streaming_speech
+    assert rep_s.token_ids == rep_n.token_ids and text_s == text_n
+    assert rep_s.talker_frames == rep_n.talker_frames
     assert np.array_equal(np.concatenate(chunks_s), np.concatenate(chunks_n))
     # Streaming starts the audio earlier in the token stream than speaking after the text.
-    assert rep_s["first_audio_s"] is not None
+    assert rep_s.first_audio_s is not None
 
 
 def test_engine_matches_hf_generate(engine):
@@ -93,19 +93,21 @@ def test_engine_matches_hf_generate(engine):
     import torch
 
     req = GenerationRequest(messages=_mm_messages(), max_new_tokens=8, max_audio_frames=400, ignore_eos=False)
-    _, _, chunks, report = _collect(engine, req)
+    events, _, chunks, report = _collect(engine, req)
     # Every component is resident now; run the reference pipeline on the very same modules.
-    prompt = engine._prepare(req)
+    prompt = engine.prepare(req)
     inputs = {k: (v.to(engine.dtype) if torch.is_floating_point(v) else v) for k, v in prompt.inputs.items()}
     with torch.inference_mode():
         seq, wav = engine.model.generate(
             **inputs, return_audio=True, speaker="ethan", thinker_max_new_tokens=8, thinker_do_sample=False,
-            talker_do_sample=False, talker_max_new_tokens=report["talker_frames"] + 1,
+            talker_do_sample=False, talker_max_new_tokens=report.talker_frames + 1,
             thinker_eos_token_id=engine.config.im_end_token_id,
         )
     n = prompt.input_ids.shape[1]
-    assert seq[0, n:].tolist() == report["token_ids"]
-    codes = torch.stack(engine.last_frames, dim=1).unsqueeze(0)
+    assert tuple(seq[0, n:].tolist()) == report.token_ids
+    frames = [f for e in events if isinstance(e, AudioChunk) for f in e.frames]
+    assert len(frames) == report.talker_frames
+    codes = torch.tensor(frames).T.unsqueeze(0)
     ours = engine.model.code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).reshape(-1)
     ref = wav.reshape(-1)
     k = min(ours.numel(), ref.numel())
@@ -121,14 +123,14 @@ def test_time_sliced_small_budget_equals_all_resident(quantized_dir, engine):
     small = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=budget))
     try:
         _, text_b, chunks_b, rep_b = _collect(small, GenerationRequest(**base))
-        outs = [s for s in rep_b["swaps"] if s["direction"] == "out"]
+        outs = [s for s in rep_b.swaps if s.direction == "out"]
         assert outs, "a budget this small must swap components out"
-        assert rep_b["peak_bytes"] <= budget
-        assert rep_b["token_ids"] == rep_a["token_ids"] and text_b == text_a
-        assert rep_b["talker_frames"] == rep_a["talker_frames"]
+        assert rep_b.peak_bytes <= budget
+        assert rep_b.token_ids == rep_a.token_ids and text_b == text_a
+        assert rep_b.talker_frames == rep_a.talker_frames
         assert np.array_equal(np.concatenate(chunks_a), np.concatenate(chunks_b))
-        for swap in rep_b["swaps"]:
-            assert set(swap) >= {"component", "direction", "bytes", "seconds"} and swap["bytes"] > 0
+        for swap in rep_b.swaps:
+            assert swap.component and swap.direction in ("in", "out") and swap.seconds >= 0 and swap.bytes > 0
     finally:
         small.close()
 
@@ -139,7 +141,7 @@ def test_budget_below_largest_component_refused_before_loading(quantized_dir):
         with pytest.raises(BudgetError, match="before loading anything"):
             list(eng.stream(GenerationRequest(messages=_mm_messages(), max_new_tokens=4)))
         assert eng.loader.resident() == ()
-        assert eng.loader.swaps == []
+        assert eng.loader.swaps() == ()
     finally:
         eng.close()
 
@@ -173,15 +175,15 @@ def test_power_from_fake_ina3221_tree(quantized_dir, tmp_path):
                                                           max_new_tokens=3, speech=False))
     finally:
         eng.close()
-    energy = report["energy"]
-    assert energy["backend"] == "ina3221" and energy["joules"] > 0
-    assert energy["mean_w"] == pytest.approx(19.0, rel=0.05)
-    assert "VDD_GPU_SOC" in energy["rails"] and "thinker_prefill" in energy["by_stage"]
+    energy = report.energy
+    assert energy.backend == "ina3221" and energy.joules > 0
+    assert energy.mean_w == pytest.approx(19.0, rel=0.05)
+    assert "VDD_GPU_SOC" in energy.rails and "thinker_prefill" in energy.by_stage
 
 
 def test_unknown_voice_and_empty_messages(engine):
     with pytest.raises(InputError, match="voice"):
-        list(engine.stream(GenerationRequest(messages=_mm_messages(), speaker="nobody")))
+        list(engine.stream(GenerationRequest(messages=_mm_messages(), voice="nobody")))
     with pytest.raises(InputError, match="empty"):
         list(engine.stream(GenerationRequest(messages=())))
 
@@ -197,7 +199,7 @@ def test_cancel_stops_the_request(engine):
         if isinstance(event, TextDelta) or len(events) == 1:
             cancel.set()
     report = events[-1].report
-    assert report["cancelled"] is True and report["completion_tokens"] < 50
+    assert report.cancelled is True and report.completion_tokens < 50
 
 
 # ---------------------------------------------------------------- the CLI
@@ -256,9 +258,9 @@ def test_heap_frozen_once_after_captures_and_unfrozen_on_close(quantized_dir):
 
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
     try:
-        eng._settle_heap()  # nothing captured yet (CPU, eager): nothing frozen
+        eng._settle_heap()  # nothing captured yet (CPU: no CUDA graphs): nothing frozen
         assert not eng._heap_frozen and gc.get_freeze_count() == 0
-        eng._decoders["thinker", True] = SimpleNamespace(runner=SimpleNamespace(captures=1), prefill_captures=0)
+        eng.decoders._made["thinker"] = SimpleNamespace(runner=SimpleNamespace(captures=1), prefill_captures=0)
         eng._settle_heap()
         assert eng._heap_frozen and gc.get_freeze_count() > 0
     finally:
@@ -272,11 +274,9 @@ def test_prefetch_counts_the_prefetches_it_has_queued(quantized_dir):
     its budget by prefetching code_predictor and code2wav together)."""
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=1 << 40))
     try:
-        est = {c: s.runtime_int4_bytes for c, s in eng.sizes.components.items()}
-        eng._kv, eng._act, eng._resident_est, eng._margin = {}, {}, est, 0
-        eng.cfg = dataclasses.replace(eng.cfg, budget=est["thinker_text"] + est["code_predictor"] + est["code2wav"] - 1)
-        eng.loader.budget = eng.cfg.budget
-        eng._stage(("thinker_text",), next_comps=("code_predictor", "code2wav"))
+        est = eng.loader.sizes()
+        eng.loader.budget = est["thinker_text"] + est["code_predictor"] + est["code2wav"] - 1
+        eng.loader.stage(("thinker_text",), working=0, next_comps=("code_predictor", "code2wav"))
         eng.loader.ensure("code_predictor")  # waits for the prefetch
         assert eng.loader.is_resident("code_predictor") and not eng.loader.is_resident("code2wav")
         assert "code2wav" not in eng.loader._pending

@@ -62,9 +62,16 @@ def test_compact_json_keeps_structure():
 
 
 def test_summary_with_energy_and_budget():
-    text = render_summary({"completion_tokens": 3, "total_s": 1.0, "ttft_s": 0.1, "tokens_per_s": 20.0,
-                           "peak_bytes": 3 << 30, "budget_bytes": 24 << 30, "prompt_tokens": 9, "device": "cuda:0",
-                           "energy": {"available": True, "joules": 12.5, "mean_w": 25.0, "backends": ["ina3221"]},
-                           "talker_frames": 25, "audio_seconds": 2.0, "first_audio_s": 0.3, "wav": "/tmp/a.wav"})
+    from orin.contract import Report
+    from orin.power.energy import Energy, EnergyReport
+
+    energy = EnergyReport("request", "ina3221", ("ina3221",), Energy(12.5, 25.0, 30.0, 0.5, covered_seconds=0.5,
+                                                                    samples=5))
+    report = Report(text="abc", prompt_tokens=9, completion_tokens=3, token_ids=(1, 2, 3), ttft_s=0.1,
+                    first_audio_s=0.3, tokens_per_s=20.0, total_s=1.0, talker_frames=25, talker_s=0.2,
+                    audio_seconds=2.0, peak_bytes=3 << 30, budget_bytes=24 << 30, device="cuda:0", schedule=(),
+                    streaming_speech=True, swaps=(), resident_after=(), energy=energy, cancelled=False,
+                    finish_reason="length")
+    text = render_summary(report, "/tmp/a.wav")
     assert "3.00 GiB of a 24.00 GiB budget" in text and "12.5 J, mean 25.0 W (ina3221)" in text
     assert "speech: 2.00 s (25 codec frames" in text and "/tmp/a.wav" in text

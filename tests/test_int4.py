@@ -1,4 +1,5 @@
-"""The GPTQ v1 checkpoint format (orin.gptq_format) and the INT4 runtime modules (orin.int4)."""
+"""The GPTQ v1 checkpoint format (orin.gptq_format), torch's int4pack layout (orin.int4pack) and the INT4 runtime
+modules (orin.int4, orin.int4_experts)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from int4pack_reference import cuda_int4pack_reference
 from torch import nn
 
-from orin import int4
+from orin import int4_experts, int4pack
 from orin.errors import ModelError
 from orin.gptq_format import (
     decode_qzeros_v1,
@@ -27,13 +28,14 @@ from orin.int4 import (
     Int4Experts,
     Int4Linear,
     convert_for_runtime,
-    int4_experts_runtime_bytes,
-    int4_linear_runtime_bytes,
     int4_tensor_keys,
+    kernel_errors,
     load_int4_module,
     quantized_module_paths,
+    triton_available,
     unload_int4_module,
 )
+from orin.layout import Target, runtime_int4_bytes, target_runtime_bytes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (device, dtype, relative tolerance); CUDA's kernel is bf16 only.
@@ -199,6 +201,11 @@ def test_int4_linear_matches_dequantized_matmul(device, dtype, tol, K, N, g, bia
         y = layer(x.to(device))
         assert y.shape == (*shape[:-1], N) and y.dtype == dtype and y.device.type == device
         assert _rel(y, x.float() @ W.T + b) <= tol
+    assert layer.route_for(17) == "tinygemm" and layer.route_for(300) == "dense"
+    for route in ("tinygemm", "dense"):  # either route at any row count, chosen per call
+        assert _rel(layer(x.to(device), route=route), x.float() @ W.T + b) <= tol
+    with pytest.raises(ValueError, match="unknown route"):
+        layer(x.to(device), route="cublas")
     assert _rel(layer.dequantized_weight(), W) <= tol
 
 
@@ -223,7 +230,7 @@ def test_int4_linear_empty_batch_and_unload():
 def test_cpu_conversion_in_row_chunks_matches_whole(monkeypatch):
     packed = random_gptq_v1(256, 320, 64, generator=_gen(10))
     whole = Int4Linear.from_gptq(packed, 256, "cpu", torch.float32).weight_packed
-    monkeypatch.setattr(int4, "CPU_CONVERT_CHUNK_ROWS", 64)
+    monkeypatch.setattr(int4pack, "CPU_CONVERT_CHUNK_ROWS", 64)
     chunked = Int4Linear.from_gptq(packed, 256, "cpu", torch.float32).weight_packed
     assert torch.equal(whole, chunked)
 
@@ -232,31 +239,31 @@ def test_cuda_byte_layout_from_qweight():
     # CUDA's _convert_weight_to_int4pack takes uint8 [N, K/2] with q[n, 2j] in the high nibble (torchao's layout).
     packed = random_gptq_v1(64, 32, 32, generator=_gen(11))
     q = unpack_gptq_v1(packed)[0].int()
-    assert torch.equal(int4._cuda_codes_bytes(packed["qweight"]).int(), (q[:, ::2] << 4) | q[:, 1::2])
+    assert torch.equal(int4pack._cuda_codes_bytes(packed["qweight"]).int(), (q[:, ::2] << 4) | q[:, 1::2])
 
 
 @pytest.mark.parametrize("N,K,tiles", [(8, 32, 2), (16, 128, 8), (24, 128, 4)])
 def test_cuda_layout_reader_inverts_the_kernels_converter(N, K, tiles):
     codes = torch.randint(0, 16, (N, K), generator=_gen(N + K), dtype=torch.int32)
     packed = cuda_int4pack_reference(codes, tiles)
-    assert torch.equal(int4._codes_cuda(packed).int(), codes)
+    assert torch.equal(int4pack._codes_cuda(packed).int(), codes)
     stacked = torch.stack([packed, cuda_int4pack_reference(15 - codes, tiles)])  # leading (expert) dims
-    assert torch.equal(int4._codes_cuda(stacked).int(), torch.stack([codes, 15 - codes]))
+    assert torch.equal(int4pack._codes_cuda(stacked).int(), torch.stack([codes, 15 - codes]))
 
 
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (64, 256), (192, 128)])
 def test_cpu_layout_is_read_back_by_probing(N, K):
     codes = torch.randint(0, 16, (N, K), generator=_gen(N * K), dtype=torch.int32)
-    packed = int4._convert_cpu_codes(codes)
-    assert torch.equal(int4.unpack_codes(packed, N, K).int(), codes)
-    assert torch.equal(int4.unpack_codes(torch.stack([packed, packed]), N, K)[1].int(), codes)
+    packed = int4pack._convert_cpu_codes(codes)
+    assert torch.equal(int4pack.unpack_codes(packed, N, K).int(), codes)
+    assert torch.equal(int4pack.unpack_codes(torch.stack([packed, packed]), N, K)[1].int(), codes)
 
 
 @pytest.mark.parametrize("K,N,g", [(200, 48, 128), (512, 64, 512), (256, 64, 32)])
 def test_dequantize_packed_is_the_kernels_weight(K, N, g):
     packed = random_gptq_v1(K, N, g, generator=_gen(K + N + g))
     layer = Int4Linear.from_gptq(packed, K, "cpu", torch.float32)
-    w = int4.dequantize_packed(layer.weight_packed, layer.scales_and_zeros, layer.kernel_group_size)
+    w = int4pack.dequantize_packed(layer.weight_packed, layer.scales_and_zeros, layer.kernel_group_size)
     assert w.shape == (layer.padded_out_features, layer.padded_in_features) and w.dtype == torch.float32
     assert torch.allclose(w[:N, :K], layer.dequantized_weight(), atol=1e-6)
     assert torch.allclose(w[:N, :K], dequantize_gptq_v1(packed, K), atol=1e-6)
@@ -271,9 +278,9 @@ def test_dequantize_packed_is_the_kernels_weight(K, N, g):
     (96, 32, 32, [17]),  # 1 pair
 ])
 def test_triton_grouped_int4_mm_and_dequantize_match_tinygemm(K, N, g, counts):
-    if not int4.triton_available():
+    if not triton_available():
         pytest.skip("no Triton")
-    from orin import int4_triton
+    from orin.kernels import int4_gemm
 
     gen = _gen(K + N + len(counts))
     layers = [Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cuda") for _ in counts]
@@ -282,27 +289,27 @@ def test_triton_grouped_int4_mm_and_dequantize_match_tinygemm(K, N, g, counts):
     x = torch.randn(sum(counts) + 3, layers[0].padded_in_features, generator=gen).bfloat16().cuda()
     ends = torch.tensor(counts).cumsum(0).cuda()
     kg = layers[0].kernel_group_size
-    if not int4_triton.supports(packed):
+    if not int4_gemm.supports(packed):
         with pytest.raises(ValueError):
-            int4_triton.grouped_int4_mm(x, packed, sz, kg, ends)
+            int4_gemm.grouped_int4_mm(x, packed, sz, kg, ends)
     else:
-        y = int4_triton.grouped_int4_mm(x, packed, sz, kg, ends)
+        y = int4_gemm.grouped_int4_mm(x, packed, sz, kg, ends)
         assert torch.equal(y[sum(counts):], torch.zeros_like(y[sum(counts):]))  # rows past the last group
         start, refs = 0, []
         for layer, c in zip(layers, counts, strict=True):
             if c:  # tinygemm refuses 0 rows
-                refs.append(int4._int4_mm(x[start:start + c].contiguous(), layer.weight_packed, kg,
-                                          layer.scales_and_zeros))
+                refs.append(int4pack.int4_mm(x[start:start + c].contiguous(), layer.weight_packed, kg,
+                                             layer.scales_and_zeros))
             start += c
         assert _rel(y[:sum(counts)], torch.cat(refs)) <= 1e-2
-    w = int4_triton.dequantize(packed, sz, kg)  # the dense path's weights
-    assert torch.allclose(w.float(), int4._dequantize(packed, sz, kg).float(), rtol=1e-2, atol=1e-3)
+    w = int4_gemm.dequantize(packed, sz, kg)  # the dense path's weights
+    assert torch.allclose(w.float(), int4pack._dequantize(packed, sz, kg).float(), rtol=1e-2, atol=1e-3)
     assert _rel(w[0, :N, :K].float(), layers[0].dequantized_weight()) <= 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton INT4 GEMM runs on CUDA")
 def test_int4_experts_fused_prefill_matches_per_expert_path(monkeypatch):
-    if not int4.triton_available():
+    if not triton_available():
         pytest.skip("no Triton")
 
     hidden, inter = 256, 128  # K a multiple of 128: the Triton kernel's layout
@@ -314,20 +321,26 @@ def test_int4_experts_fused_prefill_matches_per_expert_path(monkeypatch):
     idx, w = _routing(37, gen)
     idx[3, 1] = E  # an out-of-range index is skipped on both paths
     idx, w = idx.cuda(), w.bfloat16().cuda()
+    assert experts.route_for(x, TOPK) == "triton" and experts.fused(x, TOPK)
     fused = experts(x, idx, w)
-    assert int4.fused_gemm.error is None
-    monkeypatch.setattr(int4.fused_gemm, "error", "switched off by the test")  # the dequantized-chunk fallback
+    assert kernel_errors()["grouped_gemm"] is None
+    assert _rel(fused, experts(x, idx, w, route="grouped_mm")) <= 1e-2  # the dequantized-chunk fallback
+    assert _rel(fused, experts(x, idx, w, route="tinygemm")) <= 1e-2
+    # A kernel that failed is off for the process: the chosen route falls back to the dequantized chunks.
+    monkeypatch.setattr(int4pack.grouped_gemm, "error", "switched off by the test")
+    assert kernel_errors()["grouped_gemm"] == "switched off by the test"
+    assert experts.route_for(x, TOPK) == "grouped_mm"
     assert _rel(fused, experts(x, idx, w)) <= 1e-2
-    monkeypatch.setattr(int4, "GROUPED_MIN_ROWS_PER_EXPERT", 10**9)
-    assert _rel(fused, experts(x, idx, w)) <= 1e-2
+    with pytest.raises(ValueError, match="triton route"):
+        experts(x, idx, w, route="triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton INT4 GEMV runs on CUDA")
 @pytest.mark.parametrize("K,N,g", [(256, 96, 128), (384, 64, 32), (320, 48, 64)])
 def test_triton_moe_gemv_matches_tinygemm(K, N, g):
-    if not int4.triton_available():
+    if not triton_available():
         pytest.skip("no Triton")
-    from orin import int4_triton  # noqa: F401 - registers torch.ops.orin.int4_moe_gemv
+    from orin.kernels import int4_gemm  # noqa: F401 - registers torch.ops.orin.int4_moe_gemv
 
     gen = _gen(K * N)
     layers = [Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cuda") for _ in range(6)]
@@ -340,15 +353,18 @@ def test_triton_moe_gemv_matches_tinygemm(K, N, g):
     got_shared = torch.ops.orin.int4_moe_gemv(shared, packed, sz, sel, kg).sum(0)
     got_each = torch.ops.orin.int4_moe_gemv(each, packed, sz, sel, kg).sum(0)
     for j, e in enumerate(sel.tolist()):
-        ref = int4._int4_mm(shared, packed[e], kg, sz[e])
+        ref = int4pack.int4_mm(shared, packed[e], kg, sz[e])
         assert _rel(got_shared[j:j + 1], ref) <= 1e-2
-        assert _rel(got_each[j:j + 1], int4._int4_mm(each[j:j + 1].contiguous(), packed[e], kg, sz[e])) <= 1e-2
+        assert _rel(got_each[j:j + 1], int4pack.int4_mm(each[j:j + 1].contiguous(), packed[e], kg, sz[e])) <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,N,g,bias", [(200, 48, 128, True), (512, 72, 512, False)])
-def test_runtime_bytes_match_buffers(K, N, g, bias):
-    layer = Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=_gen(12), bias=bias), K, "cpu", torch.bfloat16)
-    assert int4_linear_runtime_bytes(K, N, g, bias=bias, dtype=torch.bfloat16) == sum(b.nbytes for b in layer.buffers())
+def test_runtime_bytes_match_buffers(K, N, g, bias, dtype):
+    # orin.layout's formula (the planner's) against a loaded layer: K padded to whole groups, N (72) to 16, and
+    # g above the kernel's 256 repeating the scales
+    layer = Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=_gen(12), bias=bias), K, "cpu", dtype)
+    assert runtime_int4_bytes(K, N, g, bias, scale_bytes=dtype.itemsize) == sum(b.nbytes for b in layer.buffers())
 
 
 # ---------------------------------------------------------------- Int4Experts
@@ -431,19 +447,21 @@ def test_int4_experts_match_reference_loop_and_hf(device, dtype, tol, monkeypatc
     )
     gate_up_of = {w.data_ptr(): e for e, w in enumerate(experts.gate_up_packed)}
     calls = []
-    real_mm = int4._int4_mm
+    real_mm = int4_experts.int4_mm
 
     def spy(x, w, group, sz):
         calls.append(gate_up_of.get(w.data_ptr(), "down"))
         return real_mm(x, w, group, sz)
 
-    monkeypatch.setattr(int4, "_int4_mm", spy)
-    monkeypatch.setattr(int4, "PREFILL_DEQUANT_CHUNK", 3 * 2 * INTER * 64 * 4)  # grouped: 3 experts a chunk
+    monkeypatch.setattr(int4_experts, "int4_mm", spy)
+    monkeypatch.setattr(int4_experts, "PREFILL_DEQUANT_CHUNK", 3 * 2 * INTER * 64 * 4)  # grouped: 3 experts a chunk
     for T, grouped in ((37, True), (37, False), (1, False)):  # prefill-like batches and a decode token
-        monkeypatch.setattr(int4, "GROUPED_MIN_ROWS_PER_EXPERT", 1 if grouped else 10**9)
         x = torch.randn(T, H, generator=gen)
         idx, w = _routing(T, gen)
-        y = experts(x.to(device, dtype), idx.to(device), w.to(device, dtype))
+        if T == 1 or device == "cpu":  # a decode token: tinygemm per expert; on CPU a prompt: grouped_mm
+            assert experts.route_for(x, TOPK) == ("grouped_mm" if T > 1 else "tinygemm")
+        route = "tinygemm" if T > 1 and not grouped else None  # a prompt through the decode route, asked for
+        y = experts(x.to(device, dtype), idx.to(device), w.to(device, dtype), route=route)
         assert y.shape == (T, H) and y.dtype == dtype
         ref = _reference_experts(x.to(dtype).float(), idx, w.to(dtype).float(), gate_up, down)
         assert _rel(y, ref) <= tol
@@ -529,7 +547,8 @@ def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():
     order = [int(k.split(".")[2]) for k in source.read]
     assert order == sorted(order)  # expert e is fully read and converted before expert e+1
     assert set(int4_tensor_keys(experts)) == set(flat)
-    assert int4_experts_runtime_bytes(E, H, INTER, G, dtype=torch.float32) == sum(b.nbytes for b in experts.buffers())
+    target = Target("model.experts", "thinker_text", "experts", H, H, num_experts=E, intermediate=INTER)
+    assert target_runtime_bytes(target, G, scale_bytes=4) == sum(b.nbytes for b in experts.buffers())
 
 
 def test_int4_experts_refuse_mismatched_checkpoint():

@@ -1,6 +1,6 @@
-"""orin.int4_triton's and orin.router_triton's kernels under Triton's CPU interpreter, on weights in torch's CUDA int4pack layout (built
-with the transcribed converter), against the layout reader of orin.int4. On a GPU, tests/test_int4.py runs the
-same kernels compiled, against tinygemm."""
+"""orin.kernels.int4_gemm's and orin.kernels.router's kernels under Triton's CPU interpreter, on weights in torch's
+CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4pack. On a GPU,
+tests/test_int4.py runs the same kernels compiled, against tinygemm."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 SCRIPT = textwrap.dedent('''
     import torch
     from int4pack_reference import cuda_int4pack_reference
-    from orin import int4, int4_triton
+    from orin import int4pack
+    from orin.int4 import Int4Linear
+    from orin.kernels import int4_gemm, router
     from orin.gptq_format import random_gptq_v1
 
     def rel(a, b):
@@ -29,49 +31,48 @@ SCRIPT = textwrap.dedent('''
     def cuda_weights(K, N, g, n, gen):
         packed, scales = [], []
         for _ in range(n):
-            cpu = int4.Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cpu", torch.float32)
-            codes = int4.unpack_codes(cpu.weight_packed, cpu.padded_out_features, cpu.padded_in_features).int()
-            packed.append(cuda_int4pack_reference(codes, int4._inner_k_tiles(cpu.padded_in_features)))
+            cpu = Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=gen), K, "cpu", torch.float32)
+            codes = int4pack.unpack_codes(cpu.weight_packed, cpu.padded_out_features, cpu.padded_in_features).int()
+            packed.append(cuda_int4pack_reference(codes, int4pack._inner_k_tiles(cpu.padded_in_features)))
             scales.append(cpu.scales_and_zeros.bfloat16())
         return torch.stack(packed), torch.stack(scales), cpu.kernel_group_size
 
     gen = torch.Generator().manual_seed(0)
     for K, N, g, counts in [(256, 96, 128, [37, 0, 5, 16, 1]), (384, 48, 32, [3, 20]), (200, 40, 64, [9])]:
         packed, sz, kg = cuda_weights(K, N, g, len(counts), gen)
-        ref_w = int4._dequantize(packed, sz, kg).float()
-        w = int4_triton.dequantize(packed, sz, kg)
+        ref_w = int4pack._dequantize(packed, sz, kg).float()
+        w = int4_gemm.dequantize(packed, sz, kg)
         assert w.shape == ref_w.shape and w.dtype == torch.bfloat16
         assert torch.allclose(w.float(), ref_w, rtol=1e-2, atol=1e-3), (K, N, g)
         K_run, rows = packed.shape[2] * 32 * packed.shape[4], sum(counts)
         # float32 rows: the interpreter computes a bf16 tl.dot wrongly (on the GPU it is bf16)
         x = torch.randn(rows + 3, K_run, generator=gen)
-        if int4_triton.supports(packed):
-            y = int4_triton.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0))
-            assert torch.equal(y, int4_triton.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0),
-                                                              max_rows=max(counts)))
-            order = int4_triton.nibble_order(packed)
+        if int4_gemm.supports(packed):
+            y = int4_gemm.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0))
+            assert torch.equal(y, int4_gemm.grouped_int4_mm(x, packed, sz, kg, torch.tensor(counts).cumsum(0),
+                                                            max_rows=max(counts)))
+            order = int4_gemm.nibble_order(packed)
             assert sorted(order.tolist()) == list(range(K_run)) and order.tolist() != list(range(K_run))
-            assert torch.equal(y, int4_triton.grouped_int4_mm(x.index_select(1, order), packed, sz, kg,
-                                                              torch.tensor(counts).cumsum(0), x_ordered=True))
+            assert torch.equal(y, int4_gemm.grouped_int4_mm(x.index_select(1, order), packed, sz, kg,
+                                                            torch.tensor(counts).cumsum(0), x_ordered=True))
             ends = torch.tensor([0] + counts).cumsum(0).tolist()
             ref = torch.cat([x[a:b] @ ref_w[e].T for e, (a, b) in enumerate(zip(ends, ends[1:]))])
             assert rel(y[:rows], ref) < 5e-3 and not y[rows:].any(), (K, N, g)  # ref_w is rounded to bf16
         sel = torch.tensor([len(counts) - 1, 0, len(counts) - 1])
         xb = x[:3].bfloat16()
-        shared = int4_triton.moe_gemv(xb[:1], packed, sz, sel, kg).sum(0)
-        each = int4_triton.moe_gemv(xb, packed, sz, sel, kg).sum(0)
+        shared = int4_gemm.moe_gemv(xb[:1], packed, sz, sel, kg).sum(0)
+        each = int4_gemm.moe_gemv(xb, packed, sz, sel, kg).sum(0)
         for j, e in enumerate(sel.tolist()):
             assert rel(shared[j], xb[0].float() @ ref_w[e].T) < 5e-3, (K, N, g, j)
             assert rel(each[j], xb[j].float() @ ref_w[e].T) < 5e-3, (K, N, g, j)
-    from orin import router_triton
 
     logits = torch.randn(5, 128, generator=gen).bfloat16()
     logits[2, 7] = logits[2, 9] = 30.0  # a tie at the top: the lower id first
-    w, i = router_triton.softmax_topk(logits, 8)
+    w, i = router.softmax_topk(logits, 8)
     ref_w, ref_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), 8, dim=-1)
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7) and i.dtype == torch.int64
     assert torch.equal(i[[0, 1, 3, 4]], ref_i[[0, 1, 3, 4]]) and i[2, :2].tolist() == [7, 9]
-    w, i = router_triton.softmax_topk(torch.randn(3, 60, generator=gen), 4)  # experts not a power of 2
+    w, i = router.softmax_topk(torch.randn(3, 60, generator=gen), 4)  # experts not a power of 2
     assert i.max() < 60 and bool((w.sum(-1) <= 1 + 1e-6).all())
     print("ok")
 ''')

@@ -80,19 +80,18 @@ def _transformers_load(model_dir: str, ids_file: str, out_file: str) -> None:
 @pytest.fixture(scope="module")
 def engine_logits(engine):
     """The thinker's logits for PROMPT from orin-omni's engine (CPU, fp32): the production prefill (chat template,
-    planning, `_thinker_prefill`: the last position) and the engine's loaded model over every position."""
+    the thinker's prefill on orin.decode: the last position) and the engine's loaded model over every position."""
     import torch
 
-    from orin.engine import GenerationRequest
+    from orin.contract import GenerationRequest
 
     req = GenerationRequest(messages=PROMPT, max_new_tokens=1, speech=False)
-    prompt = engine._prepare(req)
-    engine._plan(req, prompt)
+    prompt = engine.prepare(req)
     engine.loader.ensure("thinker_text")
     ids, mask = prompt.input_ids, prompt.inputs["attention_mask"]
     with torch.inference_mode():
-        merged = engine._thinker_inputs(prompt.inputs, ids, None, None)
-        _, _, last = engine._thinker_prefill(merged, mask, False, int(ids.shape[1]) + 1)
+        merged = engine.thinker.merge(prompt.inputs, ids, None, None)
+        _, _, last = engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)
         every = engine.model.thinker(input_ids=ids, attention_mask=mask).logits
     return {"ids": ids, "mask": mask, "last": last.float().reshape(-1), "every": every.float()}
 
@@ -461,8 +460,8 @@ def test_a_bf16_vision_checkpoint_matches_vllm_omni_completely(tiny_model_dir, t
     from quantize.pipeline import QuantConfig, run_quantize
 
     out = tmp_path / "bf16-vision"
-    run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), samples=4, thinker_new_tokens=2,
-                             talker_new_tokens=2, talker_min_new_tokens=2, speech_samples=2, device="cpu",
+    run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), samples=4, reply_tokens=2,
+                             speech_frames=2, min_speech_frames=2, speech_samples=2, device="cpu",
                              progress=False, quantize_vision=False))
     qconfig = _qconfig(str(out))
     assert r"-:.*visual\..*" in qconfig["dynamic"]

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
-from orin.metrics import Metrics, escape_label, format_value, parse_metrics, process_rss_bytes
+from orin.contract import Report, Swap
+from orin.power.energy import Energy, EnergyReport
+from orin.serve.metrics import Metrics, escape_label, format_value, parse_metrics, process_rss_bytes
 
-REPORT = {
-    "ttft_s": 0.3, "first_audio_s": 0.9, "tokens_per_s": 12.5, "prompt_tokens": 40, "completion_tokens": 8,
-    "audio_seconds": 1.5, "peak_bytes": 3 << 30, "cancelled": False,
-    "swaps": [{"component": "talker", "direction": "in", "bytes": 100, "seconds": 0.5},
-              {"component": "talker", "direction": "in", "bytes": 50, "seconds": 0.25},
-              {"component": "thinker_text", "direction": "out", "bytes": 7, "seconds": 0.1}],
-    "energy": {"backend": "jtop", "joules": 12.0, "mean_w": 20.0, "peak_w": 31.5,
-               "by_stage": {"thinker_decode": {"joules": 8.0}, "talker": {"joules": 4.0}}},
-}
+
+def _energy(joules, mean_w=None, peak_w=None) -> Energy:
+    return Energy(joules, mean_w, peak_w, 1.0, covered_seconds=1.0 if joules is not None else 0.0)
+
+
+def _report(**overrides) -> Report:
+    fields = dict(text="x", prompt_tokens=40, completion_tokens=8, token_ids=tuple(range(8)), ttft_s=0.3,
+                  first_audio_s=0.9, tokens_per_s=12.5, total_s=2.0, talker_frames=19, talker_s=0.5,
+                  audio_seconds=1.5, peak_bytes=3 << 30, budget_bytes=None, device="cpu", schedule=(),
+                  streaming_speech=True, swaps=(), resident_after=(), cancelled=False, finish_reason="stop",
+                  energy=EnergyReport("request", "none", ("none",), _energy(None)))
+    return Report(**{**fields, **overrides})
+
+
+REPORT = _report(
+    swaps=(Swap("talker", "in", 100, 0.5), Swap("talker", "in", 50, 0.25), Swap("thinker_text", "out", 7, 0.1)),
+    energy=EnergyReport("request", "jtop", ("jtop",), _energy(12.0, 20.0, 31.5),
+                        by_stage={"thinker_decode": _energy(8.0), "talker": _energy(4.0)}),
+)
 
 # One sample line of the 0.0.4 text format: name, optional labels, a number.
 SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
@@ -45,7 +58,7 @@ def test_values_from_reports():
     m.request("/v1/chat/completions", 400)
     m.queue_full()
     m.generation(REPORT, 2.0)
-    m.generation({**REPORT, "cancelled": True, "energy": {"backend": "none", "joules": None}}, 1.0)
+    m.generation(replace(REPORT, cancelled=True, finish_reason="cancelled", energy=_report().energy), 1.0)
     s = parse_metrics(_render(m))
     assert s['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] == 2
     assert s['orin_requests_total{endpoint="/v1/chat/completions",status="400"}'] == 1
@@ -73,9 +86,9 @@ def test_values_from_reports():
     assert s['orin_up{model="tiny"}'] == 1
 
 
-def test_missing_report_fields_are_tolerated():
+def test_unmeasured_report_fields_are_left_out():
     m = Metrics()
-    m.generation({}, 0.5)
+    m.generation(_report(ttft_s=None, first_audio_s=None, tokens_per_s=None), 0.5)
     s = parse_metrics(m.render(model="x", ready=False, in_flight=0, queued=0, memory=None, rss_bytes=None))
     assert s["orin_ttft_seconds_count"] == 0
     assert s["orin_generation_seconds_count"] == 1

@@ -97,7 +97,7 @@ def test_tiny_model_plan(tiny_model_dir):
     # The tiny vision MLP's fc2 is 200 wide and stays BF16, like the real 4304-wide one.
     assert result["padded_layers"] == []
     assert result["request"]["tokens"]["audio"] == audio_tokens(3, 50) == 39
-    from orin.tiny import build_tiny_model
+    from orin.devtools.tiny import build_tiny_model
 
     model = build_tiny_model(0)
     assert result["total_params"] == sum(p.numel() for p in model.parameters())

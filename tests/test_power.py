@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from orin.cli import cli
 from orin.errors import PowerError, UsageError
-from orin.power import (
+from orin.power.meter import (
     Energy,
     Ina3221Backend,
     JtopBackend,
@@ -532,7 +532,7 @@ def test_sampler_thread_degrades_without_stopping(monkeypatch):
 
 
 def test_meter_never_imports_torch():
-    code = ("import sys; import orin.power, orin.energy, orin.power_backends; "
+    code = ("import sys; import orin.power.meter, orin.power.energy, orin.power.backends; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1]).returncode == 0
 

@@ -23,7 +23,7 @@ from quantize.report import load_report
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-SPEECH_SHORT = {"thinker_new_tokens": 3, "talker_new_tokens": 4, "talker_min_new_tokens": 4, "device": "cpu",
+SPEECH_SHORT = {"reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 4, "device": "cpu",
                 "progress": False}
 
 
@@ -113,8 +113,8 @@ def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
     orientation and expert slicing are right."""
     from safetensors import safe_open
 
+    from orin.devtools.tiny import build_tiny_model
     from orin.hub_names import to_hub
-    from orin.tiny import build_tiny_model
 
     model = build_tiny_model(0).to(torch.bfloat16)
     cases = [("thinker", "thinker.model.language_model.layers.1.self_attn.q_proj", None),

@@ -93,7 +93,7 @@ def test_tiny_model_layout_matches_the_adapters(tiny_model_dir):
 def test_expert_slices_are_views_into_the_fused_tensors():
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as M
 
-    from orin.tiny import tiny_config_dict
+    from orin.devtools.tiny import tiny_config_dict
 
     cfg = M.Qwen3OmniMoeConfig(**tiny_config_dict()).thinker_config.text_config
     experts = M.Qwen3OmniMoeThinkerTextExperts(cfg)

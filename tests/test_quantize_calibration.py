@@ -13,8 +13,6 @@ from quantize.calibration import (
     MAX_AUDIO_SECONDS,
     MAX_IMAGE_SIDE,
     Conversation,
-    Skips,
-    TooFewConversations,
     builtin_conversations,
     hold_out,
     holdout_count,
@@ -22,6 +20,7 @@ from quantize.calibration import (
     split_heldout,
     to_samples,
 )
+from quantize.skips import Skips, TooFewConversations
 
 
 def test_directory_of_jsonl_and_loose_files(tmp_path):
@@ -87,7 +86,7 @@ def test_unencodable_conversations_are_skipped_before_the_held_out_split():
     held-out split is drawn from the conversations that remain."""
     from PIL import Image
 
-    from orin.tiny import build_processor
+    from orin.devtools.tiny import build_processor
 
     banner = Conversation("calib.jsonl:7", [{"role": "user", "content": [{"type": "image"},
                                                                         {"type": "text", "text": "?"}]}],

@@ -15,14 +15,15 @@ import torch
 from click.testing import CliRunner
 
 from orin.cli import cli
-from quantize.calibration import Skips, TooFewConversations, UnusableConversation, builtin_conversations, to_samples
+from quantize.calibration import builtin_conversations, to_samples
 from quantize.capture import SpeechSettings, generate_speech, keep_results
 from quantize.pipeline import QuantConfig, render_result, run_quantize
 from quantize.progress import Progress
 from quantize.report import load_report
+from quantize.skips import Skips, TooFewConversations, UnusableConversation
 
-SPEECH = SpeechSettings(thinker_new_tokens=3, talker_new_tokens=4, talker_min_new_tokens=0)
-SHORT = {"samples": 6, "thinker_new_tokens": 3, "talker_new_tokens": 4, "talker_min_new_tokens": 0, "device": "cpu",
+SPEECH = SpeechSettings(reply_tokens=3, speech_frames=4, min_speech_frames=0)
+SHORT = {"samples": 6, "reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 0, "device": "cpu",
          "progress": False}
 
 
@@ -94,7 +95,7 @@ def _first_token(model, sample, part: str) -> int:
 
 
 def _samples(n: int):
-    from orin.tiny import build_processor
+    from orin.devtools.tiny import build_processor
 
     return {s.name: s for s in to_samples(build_processor(), builtin_conversations(n), torch.device("cpu"),
                                           Skips(print))}
@@ -105,7 +106,7 @@ def silent_variant(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model, edited so that for builtin:2 the thinker ends its reply at once (im_end's lm_head row
     outscores the token it would say first) and for builtin:5 (the held-out one of six) the talker emits its
     codec EOS at the first step."""
-    from orin.tiny import TOKEN_IDS
+    from orin.devtools.tiny import TOKEN_IDS
 
     out = tmp_path_factory.mktemp("silent") / "model"
     shutil.copytree(tiny_model_dir, out)

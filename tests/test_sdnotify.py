@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from orin.sdnotify import Notifier, format_message, socket_address, watchdog_interval
+from orin.serve.sdnotify import Notifier, format_message, socket_address, watchdog_interval
 
 
 @pytest.fixture()

@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orin.access import NEW_SYSTEM_USER, AccessProblem, access_problems, model_access_problems
 from orin.cli import cli
 from orin.errors import ModelError, ServiceError, UsageError
-from orin.service import (
+from orin.service.access import NEW_SYSTEM_USER, AccessProblem, access_problems, model_access_problems
+from orin.service.install import InstallConfig, check_access, install_service, plan_install
+from orin.service.record import record_path
+from orin.service.uninstall import UninstallConfig, plan_uninstall, uninstall_service
+from orin.service.unit import (
     DISCRETE_DEVICES,
     JETSON_DEVICES,
     POWER_MODES,
@@ -35,16 +38,6 @@ from orin.service import (
     resolve_exec_start,
     size_text,
     template_dir,
-)
-from orin.service_install import (
-    InstallConfig,
-    UninstallConfig,
-    check_access,
-    install_service,
-    plan_install,
-    plan_uninstall,
-    record_path,
-    uninstall_service,
 )
 from orin.units import parse_bytes
 
@@ -612,7 +605,7 @@ def test_uninstall_plan_for_the_real_root_disables_first(tmp_path, monkeypatch, 
     root = tmp_path / "root"
     install(model_dir, root)
     # The record decides what goes; pretend the staged root is / for the systemctl part only.
-    monkeypatch.setattr("orin.service_install._is_root_fs", lambda _root: True)
+    monkeypatch.setattr("orin.service.uninstall.is_root_fs", lambda _root: True)
     plan = plan_uninstall(UninstallConfig(root=str(root)), systemd_up=True)
     assert plan.commands_before == (("systemctl", "disable", "--now", "qwen3-omni.service"),)
     assert plan.commands_after == (("systemctl", "daemon-reload"),)
@@ -829,7 +822,7 @@ def test_templates_ship_in_the_wheel(tmp_path):
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     probe = (
-        "import orin, orin.service as s; print(orin.__file__); print(s.template_dir()); "
+        "import orin, orin.service.unit as s; print(orin.__file__); print(s.template_dir()); "
         "print(s.render_unit(s.UnitConfig(model_dir='/srv/m', exec_start=('/usr/bin/orin-omni',))))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}

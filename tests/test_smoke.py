@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from orin.cli import cli
-from orin.errors import UsageError
-from orin.media import encode_wav
-from orin.smoke import (
+from orin.checks.smoke import (
     FAIL,
     PASS,
     SKIP,
@@ -31,6 +28,9 @@ from orin.smoke import (
     run_smoke,
     vocoder_chunks,
 )
+from orin.cli import cli
+from orin.errors import UsageError
+from orin.media import encode_wav
 
 # --------------------------------------------------------------------------- single checks
 
@@ -129,7 +129,7 @@ SPEECH_S = 0.8
 
 @pytest.fixture(scope="module")
 def server(engine, quantized_dir):
-    from orin.server import ServeConfig, Server
+    from orin.serve.app import ServeConfig, Server
 
     srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
                              max_speech_seconds=SPEECH_S), engine=engine).start()
@@ -180,7 +180,7 @@ def test_smoke_cli_exit_codes_and_thresholds(server, tmp_path):
 
 
 def test_smoke_with_an_api_key(engine, quantized_dir, tmp_path):
-    from orin.server import ServeConfig, Server
+    from orin.serve.app import ServeConfig, Server
 
     key = tmp_path / "key"
     key.write_text("k-123\n")

@@ -11,9 +11,10 @@ import torch
 from click.testing import CliRunner
 
 from orin.cli import cli
+from orin.devtools.tiny import build_tiny_model
 from orin.layout import QuantSpec, find_targets
 from orin.media import synth_image, synth_speechlike
-from orin.tiny import build_processor, build_tiny_model
+from orin.processor import build_processor
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "processor_config.json", "generation_config.json")

@@ -1,0 +1,370 @@
+"""Prefill and decoding with static KV caches, one position per decode call, captured in CUDA graphs: the
+thinker, the talker and the talker's code predictor.
+
+Decoding one token through the HF modules with a dynamic cache costs thousands of kernel launches and a host
+sync per MoE layer (the per-expert token counts); at batch 1 the GPU waits on Python. Here every layer is
+orin.decoder_layer's pure function, on every device: this is the engine's only decode path, and the HF modules
+are only the oracle the tests compare against.
+
+The prompt goes through the same layer function (`StaticDecoder.prefill`): causal attention over the new keys,
+which are written straight into the static caches; the MoE through the experts module's grouped path (one Triton
+launch per projection, no host sync); dense INT4 layers dequantized for one cuBLAS GEMM. Where the weights stay
+put, the whole prefill is replayed from a CUDA graph per prompt-length bucket: eager, its ~5,000 launches made the
+host, not the GPU, set the time to first token.
+
+On CUDA each decoder step is captured once per weight placement and replayed per position (orin.graph_runner).
+With `compile=True` the layer function goes through torch.compile first (one compilation per layer shape, shared
+by all layers), fusing the elementwise work between the matmuls; if that fails the plain function is captured.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .decoder_layer import decoder_layer, layer_weights, supported
+from .errors import ModelError
+from .graph_runner import GraphRunner
+
+PREFILL_BUCKET = 64  # graph prefill: prompts padded to a multiple of this, one capture per bucket
+PREFILL_GRAPHS = 8  # captured prefill buckets kept per decoder, least recently used dropped first
+
+
+# ---------------------------------------------------------------------- thinker and talker
+
+
+def _int4_experts_only(text_model) -> bool:
+    """Whether every MoE layer's experts are INT4: BF16 experts (a checkpoint that keeps them) run through their
+    module, whose per-expert token counts are a host sync no CUDA graph can hold."""
+    from .int4 import Int4Experts
+
+    return all(isinstance(layer.mlp.experts, Int4Experts) for layer in text_model.layers if hasattr(layer.mlp, "experts"))
+
+
+@dataclass
+class Prefilled:
+    """What a prefill gives the engine: the last position's logits [1, vocab] and normed hidden state
+    [1, 1, H], and the recorded hidden states {HF index: [1, T, H]}."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    states: dict
+
+
+class StaticDecoder:
+    """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)`, then `step(token)` (thinker: returns logits [1, vocab]) or `step_embeds(embeds)`
+    (talker: returns (logits, last hidden))."""
+
+    def __init__(self, text_model, head, rope_owner, device: torch.device, compile: bool = False):
+        self.model, self.head, self.rope_owner = text_model, head, rope_owner
+        self.cfg = text_model.config
+        self.device = device
+        self.runner = GraphRunner(device, device.type == "cuda" and _int4_experts_only(text_model), compile)
+        self.max_len = 0
+        self.length = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        # bucket key -> (its runner, its graph's static input buffers)
+        self._prefill_graphs: OrderedDict[tuple, tuple[GraphRunner, dict]] = OrderedDict()
+        # One memory pool for all prefill buckets (they never run at once and their outputs are copied out),
+        # so the buckets kept cost about one prefill's activations, not one each.
+        self._prefill_pool = None
+
+    @property
+    def captures(self) -> int:
+        return self.runner.captures
+
+    @property
+    def prefill_captures(self) -> int:
+        return sum(runner.captures for runner, _ in self._prefill_graphs.values())
+
+    def check_supported(self) -> None:
+        for i, layer in enumerate(self.model.layers):
+            if not supported(layer):
+                raise ModelError(f"decoder layer {i} of {type(self.model).__name__} has an MLP orin-omni cannot run "
+                                 "(Qwen3-Omni's are SiLU): this checkpoint is not a Qwen3-Omni one")
+
+    def _alloc(self, max_len: int) -> None:
+        cfg = self.cfg
+        dtype = self.head.weight.dtype
+        shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.positions = torch.arange(max_len, device=self.device)
+        self.tok = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.embeds = torch.zeros((1, 1, cfg.hidden_size), dtype=dtype, device=self.device)
+        self.idx = torch.zeros((1,), dtype=torch.long, device=self.device)
+        self.delta = torch.zeros((1,), dtype=torch.long, device=self.device)
+        self.max_len = max_len
+        self.runner.release()
+        self._release_prefill_graphs()
+
+    def _release_prefill_graphs(self) -> None:
+        for runner, _ in self._prefill_graphs.values():
+            runner.release()
+        self._prefill_graphs.clear()
+        self._prefill_pool = None
+
+    def release(self) -> None:
+        """Drop the cache buffers and the graphs (their memory goes back to the allocator)."""
+        self.k_cache, self.v_cache, self.max_len = [], [], 0
+        self.runner.release()
+        self._release_prefill_graphs()
+
+    def _weights(self) -> list[torch.Tensor]:
+        return list(self.model.parameters()) + [b for b in self.model.buffers() if b is not None] + \
+            list(self.head.parameters())
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, embeds: torch.Tensor, position_ids: torch.Tensor, max_len: int, record: tuple[int, ...] = (),
+                visual: tuple | None = None, bucket: int | None = None, graph: bool = True) -> Prefilled:
+        """The prompt through decoder_layer from position 0, its keys and values written into the static caches
+        (no DynamicCache, no copy). embeds [T, H] (multimodal features already merged); position_ids [3, 1, T]
+        (M-RoPE, as the HF model computes them; `rope_owner.rope_deltas` set by that computation); record: the
+        HF hidden-state indices to return (0 = the embeddings, i = layer i-1's output before any deepstack);
+        visual: (visual_pos_masks [1, T], deepstack features [n, H] for the first layers) for an image.
+
+        With graphs enabled (CUDA, and `graph`: the caller's word that the weights stay where they are, so a
+        capture is replayed more than once) the prompt is padded to a multiple of `bucket` (PREFILL_BUCKET) and
+        the whole prefill replayed from a CUDA graph captured once per bucket: the eager prefill is ~5,000
+        kernel launches, and the host, not the GPU, sets its time. Padding rows come after the prompt, so
+        causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
+        masks them until it overwrites them."""
+        T = int(embeds.shape[0])
+        graph = graph and self.runner.graph_enabled and self._prefill_capturable(embeds)
+        bucket = bucket or (PREFILL_BUCKET if graph else 1)
+        Tb = -(-T // bucket) * bucket
+        if max(max_len, Tb) > self.max_len or not self.k_cache:
+            self._alloc(-(-max(max_len, Tb, T + 1) // 64) * 64)
+        m = self.model
+        cos, sin = m.rotary_emb(embeds.unsqueeze(0), position_ids)
+        inputs = {"x": embeds, "cos": cos[0], "sin": sin[0]}
+        if visual is not None and visual[1]:
+            rows = torch.nonzero(visual[0].reshape(-1)).flatten()
+            ds = embeds.new_zeros((len(visual[1]), T, embeds.shape[1]))
+            for i, feat in enumerate(visual[1]):
+                ds[i].index_copy_(0, rows, feat.to(ds.dtype))
+            inputs["ds"] = ds
+        if Tb > T:
+            inputs = {k: F.pad(v, (0, 0, 0, Tb - T)) for k, v in inputs.items()}
+        if Tb > T or graph:  # padding rows route to no expert: the MoE, most of a prefill's work, skips them
+            inputs["valid"] = (torch.arange(Tb, device=self.device) < T).unsqueeze(1)
+        inputs["last"] = torch.tensor([T - 1], device=self.device)
+        record = tuple(sorted(set(record)))
+        if graph:
+            logits, hidden, states = self._prefill_graph(Tb, record, inputs)
+        else:
+            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
+        deltas = getattr(self.rope_owner, "rope_deltas", None)
+        self.delta.fill_(int(deltas.reshape(-1)[0]) if deltas is not None else 0)
+        self.length = T
+        self.runner.check = True
+        return Prefilled(logits, hidden, {i: s[:T].unsqueeze(0) for i, s in states.items()})
+
+    def _prefill_capturable(self, rows: torch.Tensor) -> bool:
+        """Whether every MoE layer's prefill runs without a host sync (orin.int4's fused Triton path): else
+        the prefill stays eager (CPU; no Triton; packed shapes the kernel does not take, as the tiny model's)."""
+        from .int4 import Int4Experts
+
+        return all(isinstance(layer.mlp.experts, Int4Experts) and layer.mlp.experts.fused(rows, layer.mlp.gate.top_k)
+                   for layer in self.model.layers if hasattr(layer.mlp, "experts"))
+
+    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...]):
+        m = self.model
+        x = inputs["x"]
+        pos = self.positions[:x.shape[0]]
+        ds = inputs.get("ds")
+        states = {0: x} if 0 in record else {}
+        for i, layer in enumerate(m.layers):
+            spec, w = layer_weights(layer, self.device)
+            if spec.mlp != "dense":
+                w["experts_module"] = layer.mlp.experts
+                if "valid" in inputs:
+                    w["valid_rows"] = inputs["valid"]
+            x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec)
+            if i + 1 in record:
+                states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed
+            if ds is not None and i < ds.shape[0]:
+                x = x + ds[i]
+        hidden = m.norm(x.index_select(0, inputs["last"]))
+        return self.head(hidden), hidden.unsqueeze(0), states
+
+    def _prefill_graph(self, Tb: int, record: tuple[int, ...], inputs: dict):
+        """Replay (capturing first where needed) the prefill graph of bucket Tb; outputs are copied out, so
+        the next prefill may overwrite them."""
+        key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
+        entry = self._prefill_graphs.pop(key, None)
+        if entry is None:
+            while len(self._prefill_graphs) >= PREFILL_GRAPHS:  # least recently used first
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))[0].release()
+            # the layer function is captured uncompiled: a prefill is a few large kernels per layer, not
+            # worth a compilation per bucket
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            entry = (GraphRunner(self.device, True, False, pool=self._prefill_pool),
+                     {k: torch.empty_like(v) for k, v in inputs.items()})
+        self._prefill_graphs[key] = entry
+        runner, static = entry
+        for k, v in inputs.items():
+            static[k].copy_(v)
+        runner.check = True
+        logits, hidden, states = runner.run(lambda fn: self._prefill_forward(fn, static, record),
+                                            lambda: self._weights() + self.k_cache + self.v_cache)
+        return logits.clone(), hidden.clone(), {i: s.clone() for i, s in states.items()}
+
+    def _forward(self, layer_fn, from_tokens: bool):
+        m = self.model
+        x = m.embed_tokens(self.tok)[0] if from_tokens else self.embeds[0]
+        pos = (self.idx + self.delta).view(1, 1, 1).expand(3, 1, 1)
+        cos, sin = m.rotary_emb(x.unsqueeze(0), pos)
+        cos, sin = cos[0], sin[0]
+        mask = (self.positions <= self.idx).view(1, 1, 1, -1)
+        for i, layer in enumerate(m.layers):
+            spec, w = layer_weights(layer, self.device)
+            x = layer_fn(x, cos, sin, mask, self.idx, self.k_cache[i], self.v_cache[i], w, spec)
+        hidden = m.norm(x)
+        return self.head(hidden), hidden.unsqueeze(0)
+
+    def _advance(self):
+        if self.length >= self.max_len:
+            raise RuntimeError(f"static KV cache full ({self.max_len} positions); start() with a larger max_len")
+        self.idx.fill_(self.length)
+
+    def step(self, token: int) -> torch.Tensor:
+        self._advance()
+        self.tok.fill_(token)
+        logits, _ = self.runner.run(lambda fn: self._forward(fn, True), self._weights)
+        self.length += 1
+        return logits
+
+    def step_embeds(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._advance()
+        self.embeds.copy_(embeds.reshape(self.embeds.shape))
+        logits, hidden = self.runner.run(lambda fn: self._forward(fn, False), self._weights)
+        self.length += 1
+        return logits, hidden
+
+
+# ---------------------------------------------------------------------- code predictor
+
+
+class CodePredictor:
+    """The talker's code predictor: a 2-position prefill (the talker's last hidden state and the frame's first
+    code) then one position per residual code group, each with its own lm_head and codec embedding. Returns
+    (codes [groups-1], sum of the frame's codec embeddings). Greedy, it is one CUDA graph per frame; sampled, the
+    same steps run eagerly with the caller's sampler choosing each code."""
+
+    def __init__(self, model, device: torch.device, compile: bool = False):
+        cp = model.talker.code_predictor
+        self.cp = cp
+        self.cfg = cp.config
+        self.device = device
+        self.runner = GraphRunner(device, device.type == "cuda", compile)
+        self.groups = len(cp.lm_head)  # residual code groups (num_code_groups - 1)
+        self.built = False
+
+    def _build(self) -> None:
+        cfg, dev = self.cfg, self.device
+        dtype = self.cp.lm_head[0].weight.dtype
+        max_len = -(-(self.groups + 1) // 8) * 8
+        shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        self.inputs = torch.zeros((2, cfg.hidden_size), dtype=dtype, device=dev)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        keys = torch.arange(max_len, device=dev)
+        # Prefill rows r*2+t (t = 0, 1) see keys <= t; step s (position s+1) sees keys <= s+1.
+        self.prefill_mask = (keys.view(1, -1) <= torch.arange(2, device=dev).repeat(rep).view(-1, 1)).view(
+            1, 1, 2 * rep, max_len)
+        self.step_masks = [(keys <= s + 1).view(1, 1, 1, max_len) for s in range(1, self.groups)]
+        self.positions = [torch.arange(2, device=dev)] + [torch.tensor([s + 1], device=dev)
+                                                          for s in range(1, self.groups)]
+        self.built = True
+
+    def _weights(self) -> list[torch.Tensor]:
+        return list(self.cp.parameters()) + [b for b in self.cp.buffers() if b is not None]
+
+    def _forward(self, layer_fn, choose: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        m = self.cp.model
+        x = self.inputs
+        codes, embeds = [], self.inputs[1:2]
+        for s in range(self.groups):
+            pos = self.positions[s]
+            mask = self.prefill_mask if s == 0 else self.step_masks[s - 1]
+            cos, sin = m.rotary_emb(x.unsqueeze(0), pos.view(1, -1))
+            cos, sin = cos[0], sin[0]
+            for i, layer in enumerate(m.layers):
+                spec, w = layer_weights(layer, self.device)
+                x = layer_fn(x, cos, sin, mask, pos, self.k_cache[i], self.v_cache[i], w, spec)
+            logits = self.cp.lm_head[s](m.norm(x[-1:]))
+            code = torch.argmax(logits, dim=-1) if choose is None else choose(logits)
+            codes.append(code)
+            emb = m.codec_embedding[s](code)
+            embeds = embeds + emb
+            x = emb
+        return torch.cat(codes), embeds.unsqueeze(0)
+
+    def run(self, past_hidden: torch.Tensor, last_id_hidden: torch.Tensor,
+            choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`choose(logits [1, vocab]) -> code [1]` samples a code; None is greedy."""
+        if not self.built:
+            self._build()
+        self.inputs[0].copy_(past_hidden.reshape(-1))
+        self.inputs[1].copy_(last_id_hidden.reshape(-1))
+        if choose is not None:
+            return self._forward(decoder_layer, choose)
+        return self.runner.run(self._forward, self._weights)
+
+    def release(self) -> None:
+        self.built = False
+        self.runner.release()
+
+
+class Decoders:
+    """The model's three decoders (thinker, talker, code predictor), built once and kept with their static caches
+    and graphs for the engine's life."""
+
+    def __init__(self, model, device: torch.device, compile: bool):
+        self.model, self.device, self.compile = model, device, compile
+        self._made: dict[str, object] = {}
+
+    def _get(self, kind: str, make: Callable[[], object]):
+        if kind not in self._made:
+            self._made[kind] = make()
+        return self._made[kind]
+
+    @property
+    def thinker(self) -> StaticDecoder:
+        t = self.model.thinker
+        return self._get("thinker", lambda: StaticDecoder(t.model.language_model, t.lm_head, t.model, self.device,
+                                                          self.compile))
+
+    @property
+    def talker(self) -> StaticDecoder:
+        t = self.model.talker
+        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, t, self.device, self.compile))
+
+    @property
+    def code_predictor(self) -> CodePredictor:
+        return self._get("code_predictor", lambda: CodePredictor(self.model, self.device, self.compile))
+
+    def captured(self) -> bool:
+        """Whether any decoder has captured a CUDA graph (decode steps or a prefill bucket)."""
+        return any(d.runner.captures or getattr(d, "prefill_captures", 0) for d in self._made.values())
+
+    def stats(self) -> dict:
+        """Per decoder: CUDA-graph captures and the torch.compile error, if compiling failed."""
+        return {kind: {"captures": d.runner.captures, "prefill_captures": getattr(d, "prefill_captures", 0),
+                       "compiled": d.runner.compile, "compile_error": d.runner.compile_error}
+                for kind, d in self._made.items()}
+
+
+__all__ = ["CodePredictor", "Decoders", "Prefilled", "StaticDecoder"]

@@ -1,0 +1,296 @@
+"""A decoder layer of the thinker, the talker or the code predictor as one pure function of tensors
+(`decoder_layer`): the same math as the HF layer it replaces, reorganised so that nothing depends on host values
+and the whole step can be captured in a CUDA graph.
+
+- the KV cache is a fixed [1, kv_heads, max_len, head_dim] buffer per layer; new keys/values are written at
+  positions held in a device tensor and attention masks the unused tail;
+- grouped-query attention is one SDPA call with the query heads of a group as query rows of its KV head;
+- the MoE block gathers the chosen experts' packed INT4 weights on the device and runs them as two matmuls:
+  gate/up of all k concatenated along N (same input), down of all k concatenated along K with each expert's
+  routing weight applied to its input first, so the kernel sums the experts. torch's CUDA int4pack layout is
+  tile-local ([N/8, K/(16*tiles), 32, tiles/2]): concatenating packed tiles is packing the concatenated
+  matrix. With Triton, orin.kernels.int4_gemm's moe_gemv instead reads the chosen experts' tiles where they
+  lie (no 19 MB gather per layer), one launch for gate/up and one for down. On CPU, in a prefill, and for BF16
+  experts (where a checkpoint keeps them) the experts module itself computes the MoE.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
+from .int4pack import int4_mm
+
+log = logging.getLogger("orin.decoder_layer")
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """Static shape of one projection: dense (bf16 weight) or INT4 (int4pack weight + scales_and_zeros)."""
+
+    int4: bool
+    k: int
+    n: int
+    k_run: int = 0
+    n_pad: int = 0
+    group: int = 0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    qk_eps: float
+    scaling: float
+    q: LinearSpec
+    k: LinearSpec
+    v: LinearSpec
+    o: LinearSpec
+    mlp: str  # "dense" | "moe" | "moe+shared"
+    top_k: int = 0
+    norm_topk: bool = True
+    inter: int = 0
+    gate_up: tuple = ()  # MoE: (kernel group, K_run, N_pad) of the fused gate/up and of down
+    down: tuple = ()
+    dense: tuple[LinearSpec, ...] = ()  # gate, up, down of a dense MLP or of the shared expert
+    triton_moe: bool = False  # CUDA with Triton: orin.kernels.int4_gemm.moe_gemv reads the chosen experts in place
+
+
+def _linear(x, spec: LinearSpec, w: tuple):
+    """x [T, k] -> [T, n]; w is (weight[, bias]) for dense, (packed, scales_and_zeros[, bias]) for INT4. Prefill
+    rows go through the dequantized weight and one dense GEMM (from orin.int4.GRAPH_DEQUANT_MIN_ROWS: the
+    prefill is meant to run in a CUDA graph, where the dequantizer's launch costs no host time)."""
+    if not spec.int4:
+        return F.linear(x, w[0], w[1] if spec.bias else None)
+    x = x.to(w[1].dtype)
+    if spec.k_run > spec.k:
+        x = F.pad(x, (0, spec.k_run - spec.k))
+    if x.shape[0] >= GRAPH_DEQUANT_MIN_ROWS:
+        y = F.linear(x, dequantize_packed(w[0], w[1], spec.group))
+    else:
+        y = int4_mm(x.contiguous(), w[0], spec.group, w[1])
+    if spec.n_pad > spec.n:
+        y = y[:, :spec.n]
+    if spec.bias:
+        y = y + w[2]
+    return y
+
+
+def _rms(x, weight, eps: float):
+    """HF's RMSNorm: normalise in float32, round to the input dtype, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _route(h, spec: LayerSpec, w: dict):
+    """HF's top-k router: softmax in float32, top-k, renormalised, in h's dtype."""
+    logits = F.linear(h, w["router"])
+    if spec.triton_moe:  # one kernel for softmax and top-k (orin.kernels.router)
+        top_w, top_i = torch.ops.orin.softmax_topk(logits, spec.top_k)
+    else:
+        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), spec.top_k, dim=-1)
+    if spec.norm_topk:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(h.dtype), top_i
+
+
+def _experts(h, spec: LayerSpec, experts: tuple, top_w, top_i):
+    """The chosen INT4 experts of T tokens, weighted and summed (see the module doc), no host sync."""
+    T = h.shape[0]
+    kg_gu, K_gu, Np_gu = spec.gate_up
+    kg_dn, K_dn, Np_dn = spec.down
+    H, inter, k = spec.hidden, spec.inter, spec.top_k
+    gu_all, gu_sz_all, dn_all, dn_sz_all = experts
+    x = h.to(gu_sz_all.dtype)
+    if K_gu > H:
+        x = F.pad(x, (0, K_gu - H))
+    outs = []
+    for t in range(T):
+        sel = top_i[t]
+        xt = x[t:t + 1].contiguous()
+        if spec.triton_moe:
+            gu = torch.ops.orin.int4_moe_gemv(xt, gu_all, gu_sz_all, sel, kg_gu).sum(0).to(x.dtype)
+        else:
+            gu_w = gu_all.index_select(0, sel)
+            gu_w = gu_w.reshape(k * gu_w.shape[1], *gu_w.shape[2:])
+            gu_sz = gu_sz_all.transpose(0, 1).index_select(1, sel)
+            gu_sz = gu_sz.reshape(gu_sz.shape[0], k * Np_gu, 2)
+            gu = int4_mm(xt, gu_w, kg_gu, gu_sz).view(k, Np_gu)
+        act = F.silu(gu[:, :inter]) * gu[:, inter:2 * inter]
+        act = act * top_w[t].reshape(k, 1).to(act.dtype)
+        if K_dn > inter:
+            act = F.pad(act, (0, K_dn - inter))
+        if spec.triton_moe:
+            out = torch.ops.orin.int4_moe_gemv(act, dn_all, dn_sz_all, sel, kg_dn).sum((0, 1)).unsqueeze(0)
+        else:
+            dn_w = dn_all.transpose(0, 1).index_select(1, sel)
+            dn_w = dn_w.reshape(dn_w.shape[0], k * dn_w.shape[2], *dn_w.shape[3:])
+            dn_sz = dn_sz_all.index_select(0, sel)
+            dn_sz = dn_sz.reshape(k * dn_sz.shape[1], Np_dn, 2)
+            out = int4_mm(act.reshape(1, k * K_dn).contiguous(), dn_w, kg_dn, dn_sz)
+        outs.append(out[:, :H])
+    return (torch.cat(outs) if T > 1 else outs[0]).to(h.dtype)
+
+
+def _moe(h, spec: LayerSpec, w: dict):
+    """Routed experts (+ the gated shared expert, as the talker has) for T tokens. A prefill's weights carry the
+    Int4Experts module: its grouped path (one Triton launch per projection on CUDA, no host sync) is the
+    prefill's MoE, the same one the HF modules call."""
+    top_w, top_i = _route(h, spec, w)
+    if "valid_rows" in w:  # an expert id past the last is no expert: Int4Experts skips those rows
+        top_i = torch.where(w["valid_rows"], top_i, w["router"].shape[0])
+    if "experts_module" in w:
+        y = w["experts_module"](h, top_i, top_w)
+    else:
+        y = _experts(h, spec, w["experts"], top_w, top_i)
+    if spec.mlp == "moe+shared":
+        g, u, d = spec.dense
+        shared = _linear(F.silu(_linear(h, g, w["shared_gate"])) * _linear(h, u, w["shared_up"]), d,
+                         w["shared_down"])
+        y = y + torch.sigmoid(F.linear(h, w["shared_expert_gate"])) * shared
+    return y
+
+
+def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec):
+    """One decoder layer for T positions. x [T, H]; cos/sin [T, head_dim]; pos [T] cache positions; mask
+    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group), or None for a prefill from
+    position 0 (causal over the T new keys, the cache's older contents unread); the caches are updated in
+    place. Returns the layer's output [T, H]."""
+    T = x.shape[0]
+    hd, kv = spec.head_dim, spec.kv_heads
+    rep = spec.heads // kv
+    h = _rms(x, w["ln1"], spec.eps)
+    q = _rms(_linear(h, spec.q, w["q"]).view(T, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
+    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+    v = _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    k_cache.index_copy_(2, pos, k.unsqueeze(0))
+    v_cache.index_copy_(2, pos, v.unsqueeze(0))
+    if mask is None:
+        att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                             scale=spec.scaling, enable_gqa=True)
+        att = att[0].transpose(0, 1).reshape(T, spec.heads * hd)
+    else:
+        qg = q.reshape(1, kv, rep * T, hd)
+        att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)
+        att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
+    x = x + _linear(att, spec.o, w["o"])
+    h = _rms(x, w["ln2"], spec.eps)
+    if spec.mlp == "dense":
+        g, u, d = spec.dense
+        return x + _linear(F.silu(_linear(h, g, w["gate"])) * _linear(h, u, w["up"]), d, w["down"])
+    return x + _moe(h, spec, w)
+
+
+# ---------------------------------------------------------------------- reading the HF modules
+
+
+def _linear_of(module) -> tuple[LinearSpec, tuple]:
+    from .int4 import Int4Linear
+
+    if isinstance(module, Int4Linear):
+        spec = LinearSpec(True, module.in_features, module.out_features, module.padded_in_features,
+                          module.padded_out_features, module.kernel_group_size, module.bias is not None)
+        tensors = (module.weight_packed, module.scales_and_zeros) + ((module.bias,) if spec.bias else ())
+        return spec, tensors
+    spec = LinearSpec(False, module.in_features, module.out_features, bias=module.bias is not None)
+    return spec, (module.weight,) + ((module.bias,) if spec.bias else ())
+
+
+def _silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def supported(layer) -> bool:
+    """Whether decoder_layer computes this HF layer: SiLU MLPs and experts (INT4 or BF16)."""
+    mlp = layer.mlp
+    if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+        if not _silu(mlp.experts.act_fn):
+            return False
+        shared = getattr(mlp, "shared_expert", None)
+        return shared is None or _silu(shared.act_fn)
+    return _silu(getattr(mlp, "act_fn", None))
+
+
+def _triton_moe(device: torch.device) -> bool:
+    from .int4 import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return False
+    try:  # registers torch.ops.orin.int4_moe_gemv and torch.ops.orin.softmax_topk
+        from .kernels import int4_gemm, router  # noqa: F401
+    except ImportError as exc:  # a Triton too old for the kernels: the torch-ops path still decodes
+        log.warning("orin's Triton kernels cannot load (%s); decoding the MoE with torch ops", exc)
+        return False
+    return True
+
+
+def layer_weights(layer, device: torch.device) -> tuple[LayerSpec, dict]:
+    attn = layer.self_attn
+    w: dict = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+               "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+    specs = {}
+    for name in ("q", "k", "v", "o"):
+        specs[name], w[name] = _linear_of(getattr(attn, f"{name}_proj"))
+    mlp = layer.mlp
+    common = dict(hidden=layer.input_layernorm.weight.shape[0], heads=specs["q"].n // attn.head_dim,
+                  kv_heads=specs["k"].n // attn.head_dim, head_dim=attn.head_dim,
+                  eps=layer.input_layernorm.variance_epsilon, qk_eps=attn.q_norm.variance_epsilon,
+                  scaling=attn.scaling, **specs)
+    if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+        from .int4 import Int4Experts
+
+        ex = mlp.experts
+        w["router"] = mlp.gate.weight
+        if isinstance(ex, Int4Experts) and device.type == "cuda":
+            w["experts"] = (ex.gate_up_packed, ex.gate_up_scales_and_zeros, ex.down_packed, ex.down_scales_and_zeros)
+            geometry = dict(inter=ex.intermediate_dim, gate_up=ex._geom["gate_up"], down=ex._geom["down"],
+                            triton_moe=_triton_moe(device))
+        else:
+            # The module computes them: on CPU (no graphs, so its per-expert loop costs nothing a graph could
+            # save; its tinygemm route is the same math), and for BF16 experts (a checkpoint that keeps them).
+            w["experts_module"] = ex
+            geometry = dict(inter=ex.intermediate_dim)
+        dense = ()
+        kind = "moe"
+        if hasattr(mlp, "shared_expert"):
+            kind = "moe+shared"
+            sp = mlp.shared_expert
+            parts = [_linear_of(sp.gate_proj), _linear_of(sp.up_proj), _linear_of(sp.down_proj)]
+            dense = tuple(p[0] for p in parts)
+            w["shared_gate"], w["shared_up"], w["shared_down"] = (p[1] for p in parts)
+            w["shared_expert_gate"] = mlp.shared_expert_gate.weight
+        spec = LayerSpec(**common, mlp=kind, top_k=mlp.gate.top_k, norm_topk=mlp.gate.norm_topk_prob, dense=dense,
+                         **geometry)
+    else:
+        parts = [_linear_of(mlp.gate_proj), _linear_of(mlp.up_proj), _linear_of(mlp.down_proj)]
+        w["gate"], w["up"], w["down"] = (p[1] for p in parts)
+        spec = LayerSpec(**common, mlp="dense", dense=tuple(p[0] for p in parts))
+    return spec, w
+
+
+def fused_moe_int4(experts, h: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """The routed-experts output as decoder_layer's CUDA decode computes it (Triton GEMV, else concatenated
+    experts), for checks against Int4Experts.forward: h [T, H] on CUDA, top_idx [T, k], top_w [T, k] -> [T, H]."""
+    spec = LayerSpec(hidden=experts.hidden_dim, heads=1, kv_heads=1, head_dim=1, eps=0.0, qk_eps=0.0, scaling=1.0,
+                     q=None, k=None, v=None, o=None, mlp="moe", top_k=top_idx.shape[1],
+                     inter=experts.intermediate_dim, gate_up=experts._geom["gate_up"], down=experts._geom["down"],
+                     triton_moe=_triton_moe(h.device))
+    tensors = (experts.gate_up_packed, experts.gate_up_scales_and_zeros, experts.down_packed,
+               experts.down_scales_and_zeros)
+    return _experts(h, spec, tensors, top_w.to(h.dtype), top_idx)

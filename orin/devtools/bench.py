@@ -1,0 +1,139 @@
+"""`orin-omni bench`: the standard request through the orin-omni engine (all-resident and time-sliced) and
+through HF transformers' BF16 `generate(return_audio=True)` in one process, side by side.
+
+The standard request is one user turn with an image, an audio clip and a short instruction, answered with a
+fixed number of text tokens and speech frames (EOS ignored on both sides, so both do the same work;
+orin.devtools.bench_config). Each all-resident engine (one per torch.compile setting) gets an unmeasured
+warm-up request first (kernels, the CUDA graphs) that is cancelled after its first audio packet; its load time
+is reported separately (orin.devtools.bench_engine). The HF reference gets a short warm-up generate
+(orin.devtools.bench_hf).
+
+Figures per run: weight bytes, peak GPU memory (the allocator's peak during the request; weights included),
+time to first text token and first audio packet (from the request's start, preprocessing included), thinker
+decode tokens/s (the thinker's own step time) and the end-to-end decode rate, talker frames/s, energy per
+request (NVML's energy counter on a GPU), and swap seconds. `--synthetic` writes a random checkpoint at the
+config's dimensions first (orin.devtools.synthetic); the HF reference is built from the same config with random
+BF16 weights. On CUDA the kernel timings (orin.devtools.bench_kernels) and a torch.profiler pass over a short
+request record where the time goes; the targets and the table are orin.devtools.bench_report's, the AGX Orin
+projection orin.devtools.bench_projection's.
+
+This module runs the parts in order and keeps what each one measured: a part that fails is recorded under
+"errors" and the rest still run; the JSON is rewritten after every part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import UsageError
+from .bench_config import BenchConfig, make_inputs, parse_compile
+from .bench_engine import run_all_resident, run_time_sliced
+from .bench_hf import run_hf
+from .bench_projection import orin_projection
+from .bench_report import BenchResult, best_run, render_table
+
+log = logging.getLogger("orin.devtools.bench")
+
+
+def _meta(cfg: BenchConfig) -> dict:
+    import torch
+    import transformers
+
+    meta = {"config": asdict(cfg), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "host": platform.node()}
+    if torch.cuda.is_available() and cfg.device in ("auto", "cuda"):
+        props = torch.cuda.get_device_properties(0)
+        meta["gpu"] = {"name": props.name, "memory_bytes": props.total_memory,
+                       "multiprocessors": props.multi_processor_count}
+    return meta
+
+
+def _check(cfg: BenchConfig) -> None:
+    if cfg.synthetic == (cfg.model_dir is not None):
+        raise UsageError("give either --synthetic (with --config) or --model-dir")
+    if cfg.synthetic and not cfg.config:
+        raise UsageError("--synthetic needs --config (a Qwen3-Omni config.json, or 'tiny')")
+    if not cfg.compile:
+        raise UsageError("--compile needs at least one of: off, on")
+
+
+def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
+    from .synthetic import SyntheticConfig, write_synthetic_checkpoint
+
+    t0 = time.perf_counter()
+    out = Path(cfg.workdir) / "checkpoint"
+    write_synthetic_checkpoint(SyntheticConfig(config=cfg.config, out=str(out), device=cfg.device,
+                                               seed=cfg.seed, force=True), log=log_fn)
+    result.extra["synthetic_write_s"] = time.perf_counter() - t0
+    os.sync()  # write-back of 20 GB of dirty pages would otherwise steal CPU from the first measurements
+    log_fn(f"synthetic checkpoint in {result.extra['synthetic_write_s']:.1f} s: {out}")
+    return str(out)
+
+
+def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
+    """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
+    rewritten after every part, so a run cut short keeps what it measured."""
+    from ..manifest import read_manifest
+
+    _check(cfg)
+    result = BenchResult(meta=_meta(cfg))
+    t_start = time.perf_counter()
+    model_dir = _write_synthetic(cfg, result, log_fn) if cfg.synthetic else cfg.model_dir
+    manifest = read_manifest(model_dir)
+    result.extra["checkpoint"] = {"dir": model_dir, "int4_payload_bytes": sum(
+        s.int4_bytes for s in manifest.segments.values()), "file_bytes": sum(
+        s.total_bytes for s in manifest.segments.values())}
+    inputs = make_inputs(cfg)
+
+    def part(name: str, fn):
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others' figures
+            log.exception("bench part %s failed", name)
+            result.errors[name] = f"{type(exc).__name__}: {exc}"
+            log_fn(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            value = None
+        result.extra.setdefault("part_s", {})[name] = time.perf_counter() - t0
+        result.write(cfg.json_out)
+        return value
+
+    def record(key: str, value) -> None:
+        if key.startswith("run:"):
+            result.runs[key[4:]] = value
+        elif key.startswith("error:"):
+            result.errors[key[6:]] = value
+        else:
+            result.extra[key] = value
+        result.write(cfg.json_out)
+
+    # The reference first: its figures are what the targets compare with, and its run time is known.
+    if not cfg.skip_hf:
+        hf = part("hf", lambda: run_hf(cfg, model_dir, inputs, log_fn))
+        if hf:
+            result.runs["hf_bf16"] = hf
+    part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, record))
+    if not cfg.skip_sliced and cfg.budget_sliced:
+        for i, budget in enumerate(cfg.budget_sliced):
+            key = "orin_time_sliced" if i == 0 else f"orin_time_sliced_{i + 1}"
+            sliced = part(key, lambda b=budget: run_time_sliced(cfg, model_dir, inputs, log_fn, b))
+            if sliced:
+                result.runs[key] = sliced
+    any_run = next(iter(result.runs.values()), {})
+    proj = part("orin_projection", lambda: orin_projection(
+        model_dir, any_run.get("prompt_tokens") or 0, cfg.text_tokens, cfg.audio_frames, best_run(result.runs)))
+    if proj:
+        result.extra["orin_projection"] = proj
+    result.extra["bench_s"] = time.perf_counter() - t_start
+    result.write(cfg.json_out)
+    return result
+
+
+# The command's face (orin.cli builds a BenchConfig, calls run_bench, prints render_table).
+__all__ = ["BenchConfig", "BenchResult", "orin_projection", "parse_compile", "render_table", "run_bench"]

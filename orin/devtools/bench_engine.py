@@ -1,0 +1,231 @@
+"""The orin-omni side of `orin-omni bench`: the standard request through the engine, all-resident (one engine
+per torch.compile setting) and time-sliced (one engine per budget), through its public API only (orin.engine,
+orin.contract's events and Report, the loader's residency, an observer for the stages).
+
+Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
+warm-up request (kernels, CUDA graphs, compilation) cancelled after its first audio packet, the measured
+request, and three short requests for TTFT. On CUDA the kernel timings (orin.devtools.bench_kernels) and, for
+the last setting, a torch.profiler pass over a short request follow."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import components as C
+from ..units import format_bytes
+from .bench_config import BenchConfig, BenchInputs, bench_request, free, run_name, sync
+from .bench_kernels import decode_timings, prefill_timings, profile_events
+from .bench_report import ttft_stats
+
+log = logging.getLogger("orin.devtools.bench")
+
+Record = Callable[[str, object], None]
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One request's Report (orin.contract.Report) and what the bench times around it."""
+
+    report: object
+    wall_s: float
+    audio_chunks: int
+
+
+def open_engine(cfg: BenchConfig, model_dir: str, budget: int | None, compile: bool, prefetch: bool = True,
+                observer=None):
+    from ..engine import Engine, EngineConfig
+
+    # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
+    return Engine(EngineConfig(model_dir=model_dir, device=cfg.device, budget=budget,
+                               power_backend=cfg.power_backend, verify_checksums=not cfg.synthetic,
+                               compile=compile, prefetch=prefetch), observer=observer)
+
+
+def stream_request(engine, request, cancel_after_audio: bool = False) -> Streamed:
+    """Run one request to its Done; a warm-up is cancelled once its first audio packet is out."""
+    from ..contract import AudioChunk, Done
+
+    cancel = threading.Event()
+    t0 = time.perf_counter()
+    report, chunks = None, 0
+    for event in engine.stream(request, cancel):
+        if isinstance(event, AudioChunk):
+            chunks += 1
+            if cancel_after_audio:
+                cancel.set()
+        elif isinstance(event, Done):
+            report = event.report
+    return Streamed(report, time.perf_counter() - t0, chunks)
+
+
+def summarize_engine(report, label: str) -> dict:
+    """The table's figures from an engine's Report (orin.contract.Report; see orin.devtools.bench's doc for
+    what each one means)."""
+    stages = report.energy.by_stage
+    decode_tokens = max(0, report.completion_tokens - 1)
+    think = stages.get("thinker_decode")
+    think_s = think.seconds if think is not None else None
+    swaps = report.swaps
+    return {
+        "label": label,
+        "prompt_tokens": report.prompt_tokens,
+        "completion_tokens": report.completion_tokens,
+        "talker_frames": report.talker_frames,
+        "peak_bytes": report.peak_bytes,
+        "ttft_s": report.ttft_s,
+        "first_audio_s": report.first_audio_s,
+        "decode_tokens_per_s": (decode_tokens / think_s) if think_s else None,
+        "decode_e2e_tokens_per_s": report.tokens_per_s,
+        "talker_frames_per_s": (report.talker_frames / report.talker_s) if report.talker_s else None,
+        "energy_j": report.energy.joules,
+        "energy_mean_w": report.energy.mean_w,
+        "energy_backend": report.energy.backend,
+        "swap_s": sum(s.seconds for s in swaps if not s.background),
+        "swap_background_s": sum(s.seconds for s in swaps if s.background),
+        "swaps": len(swaps),
+        "total_s": report.total_s,
+        "streaming_speech": report.streaming_speech,
+        "stages_s": {k: v.seconds for k, v in stages.items()},
+        "timeline_s": dict(report.timeline_s),
+        "schedule": [s.name for s in report.schedule],
+    }
+
+
+def _load_all(engine) -> dict:
+    """Every component resident, timed; what the loader then holds."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():  # as the engine loads them during a request: the same kind of tensors
+        for comp in C.PIPELINE:
+            engine.loader.ensure(comp)
+    sync(engine.device)
+    sizes = engine.loader.sizes()
+    out = {"load_s": time.perf_counter() - t0, "resident_bytes": engine.loader.resident_bytes(),
+           "resident_by_component": {c: sizes[c] for c in engine.loader.resident()}}
+    if engine.device.type == "cuda":
+        out["allocated_after_load"] = torch.cuda.memory_allocated()
+    return out
+
+
+def _measure_resident(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, loaded: dict, log_fn) -> dict:
+    t0 = time.perf_counter()
+    warm = stream_request(engine, bench_request(cfg, inputs), cancel_after_audio=cfg.audio_frames > 0)
+    warm_s = time.perf_counter() - t0
+    log_fn(f"[{name}] warm-up {warm_s:.1f} s (ttft {warm.report.ttft_s or 0:.3f} s)")
+    report = stream_request(engine, bench_request(cfg, inputs)).report
+    summary = summarize_engine(report, f"orin-omni INT4 all-resident ({name})")
+    summary["weight_bytes"] = loaded["resident_bytes"]
+    summary["load_s"] = loaded["load_s"]
+    summary["warmup_s"] = warm_s
+    summary["decoders"] = engine.decoder_stats()
+    # TTFT again on short requests (no speech): the measured request's value is one sample.
+    ttfts = [stream_request(engine, bench_request(cfg, inputs, max_new_tokens=2, speech=False)).report.ttft_s
+             for _ in range(3)]
+    summary.update(ttft_stats(summary["ttft_s"], ttfts))
+    log_fn(f"[{name}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
+           f"thinker {summary['decode_tokens_per_s'] or 0:.1f} tok/s, talker "
+           f"{summary['talker_frames_per_s'] or 0:.1f} frames/s, peak {format_bytes(summary['peak_bytes'] or 0)}, "
+           f"{summary['energy_j'] or 0:.0f} J")
+    return summary
+
+
+def _attempt(key: str, fn) -> dict:
+    """fn()'s figures, or its error: a failed timing is a finding, not a reason to stop."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the other parts' figures still count
+        log.exception("bench part %s failed", key)
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+
+
+def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn, record: Record) -> dict:
+    """Per torch.compile setting, an engine with every component loaded, its warm-up and measured requests;
+    `record(key, value)` is called as each figure is ready ("all_resident": the first load; "run:orin_NAME": a
+    run; "error:orin_NAME": a setting that failed, the next one still runs; "kernel_timings", "profile")."""
+    loaded: dict = {}
+    kernels: dict = {}
+    for i, compile in enumerate(cfg.compile):
+        name = run_name(compile)
+        engine = None
+        try:
+            engine = open_engine(cfg, model_dir, None, compile)
+            this_load = _load_all(engine)
+            if not loaded:
+                loaded = this_load
+                record("all_resident", loaded)
+            record(f"run:orin_{name}", _measure_resident(engine, cfg, inputs, name, this_load, log_fn))
+            if engine.device.type == "cuda":
+                kernels[f"decode_{name}"] = _attempt(f"decode_{name}", lambda e=engine: decode_timings(e))
+                if i == 0:  # the routes and the encoders do not depend on the compile setting
+                    kernels["prefill"] = _attempt("prefill", lambda e=engine: prefill_timings(
+                        e, prompt_inputs=e.prepare(bench_request(cfg, inputs)).inputs))
+                record("kernel_timings", kernels)
+                if cfg.profile and i == len(cfg.compile) - 1:
+                    record("profile", {name: _attempt("profile", lambda e=engine: profile_request(e, cfg, inputs))})
+        except Exception as exc:  # noqa: BLE001 - the other settings' figures still count
+            log.exception("all-resident run %s failed", name)
+            record(f"error:orin_{name}", f"{type(exc).__name__}: {exc}"[:1000])
+        finally:
+            if engine is not None:
+                engine.close()
+            del engine
+            free(cfg.device)
+    return loaded
+
+
+def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn, budget: int,
+                    prefetch: bool = True) -> dict:
+    """The standard request under `budget`, with the last compile setting; `stage_memory` is what was resident
+    and the allocator's bytes at each stage of the pipeline (orin.contract.Staged): where the peak was reached."""
+    from ..contract import Staged
+
+    compile = cfg.compile[-1]
+    stages: list = []
+
+    def observe(event) -> None:
+        if isinstance(event, Staged):
+            stages.append(event.to_json())
+
+    engine = open_engine(cfg, model_dir, budget, compile, prefetch=prefetch, observer=observe)
+    try:
+        report = stream_request(engine, bench_request(cfg, inputs)).report
+        note = "" if prefetch else ", no prefetch"
+        label = f"orin-omni INT4 time-sliced, budget {format_bytes(budget)} ({run_name(compile)}{note})"
+        summary = summarize_engine(report, label)
+        summary["stage_memory"] = stages
+        summary["weight_bytes"] = sum(s.runtime_int4_bytes for s in engine.sizes.components.values())
+        summary["budget_bytes"] = budget
+        summary["swap_detail"] = [s.to_json() for s in report.swaps]
+        log_fn(f"[time-sliced{note}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
+               f"peak {format_bytes(summary['peak_bytes'] or 0)}, swaps {summary['swap_s']:.2f} s")
+        return summary
+    finally:
+        engine.close()
+        del engine
+        free(cfg.device)
+
+
+def profile_request(engine, cfg: BenchConfig, inputs: BenchInputs, tokens: int = 24, frames: int = 12) -> dict:
+    """Kernel-level profile of a short request: its top CUDA kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    req = bench_request(cfg, inputs, max_new_tokens=tokens, max_audio_frames=frames)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: CPU events cost minutes here
+        streamed = stream_request(engine, req)
+    torch.cuda.synchronize()
+    events = profile_events(prof, 1, 25)
+    return {"tokens": tokens, "frames": frames, "wall_s": streamed.wall_s,
+            "device_ms_total": events["device_ms_per_call"], "kernels": events["kernels_per_call"],
+            "top": [{"name": e["name"], "device_ms": e["us_per_call"] / 1e3, "share": e["share"],
+                     "calls": e["calls_per_call"]} for e in events["top"]],
+            "stages_s": {k: v.seconds for k, v in streamed.report.energy.by_stage.items()}}
+
+
+__all__ = ["Streamed", "open_engine", "profile_request", "run_all_resident", "run_time_sliced", "stream_request",
+           "summarize_engine"]

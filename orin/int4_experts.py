@@ -1,0 +1,368 @@
+"""``Int4Experts``: the INT4 replacement of HF's fused MoE experts, on torch's int4pack layout (orin.int4pack).
+
+A MoE layer runs one of three routes (``EXPERT_ROUTES``), chosen per call from the row count unless the caller
+names one (``forward(..., route=...)``; a check compares them that way):
+
+- ``"tinygemm"``: one tinygemm launch per expert the router picked, after one host sync for the per-expert row
+  counts. A few rows (decode through the HF modules, short prompts): below ``grouped_min_rows_per_expert`` rows
+  per expert on average.
+- ``"triton"``: prefill on CUDA with Triton: one launch of ``orin.kernels.int4_gemm``'s grouped GEMM per
+  projection over all experts, dequantizing the packed tiles in registers, group boundaries on the device (no
+  host sync: a CUDA graph can capture it). One launch per expert made the prefill launch-bound (12k launches
+  for 467 tokens).
+- ``"grouped_mm"``: prefill elsewhere (CPU; CUDA without Triton, with a kernel switched off after a failure, or
+  with packed shapes the kernel does not take): experts dequantized a chunk of at most
+  ``orin.plan.PREFILL_DEQUANT_CHUNK`` bytes at a time, each chunk's rows one ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ModelError
+from .gptq_format import GPTQ_KEYS
+from .int4pack import check_device, dequantize_packed, grouped_gemm, int4_mm, to_kernel
+from .plan import PREFILL_DEQUANT_CHUNK
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_ROUTES = ("triton", "grouped_mm", "tinygemm")
+# Rows per expert (on average) from which forward runs one grouped GEMM per projection instead of tinygemm per
+# expert: at 1 (T * k >= E) a decode token still runs tinygemm, any real prompt the grouped GEMM.
+GROUPED_MIN_ROWS_PER_EXPERT = 1
+
+
+def _expert_tensors(source, e: int, proj: str, prefix: str) -> Mapping[str, torch.Tensor]:
+    if isinstance(source, Sequence):
+        return source[e].get(proj, {})
+    return _Prefixed(source, f"{prefix}{e}.{proj}.")
+
+
+class _Prefixed(Mapping):
+    """A read-only view of ``source`` keyed without ``prefix``; lookups stay lazy (one tensor at a time)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._source, self._prefix = source, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._source[self._prefix + key]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and (self._prefix + key) in self._source
+
+    def __iter__(self):
+        n = len(self._prefix)
+        return (k[n:] for k in self._source if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _fuse_gate_up(
+    gate: Mapping[str, torch.Tensor], up: Mapping[str, torch.Tensor], device: torch.device, name: str
+) -> dict:
+    """One GPTQ layer [K=H, N=2I] from gate_proj and up_proj (gate outputs first, as HF's gate_up_proj)."""
+    fused = {}
+    for key in GPTQ_KEYS:
+        if key not in gate or key not in up:
+            raise ModelError(
+                f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize"
+            )
+        a, b = gate[key].to(device), up[key].to(device)
+        if key == "g_idx" and not torch.equal(a, b):
+            raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
+        fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
+    return fused
+
+
+class Int4Experts(nn.Module):
+    """INT4 replacement of HF's fused experts (Qwen3OmniMoe{Thinker,Talker}TextExperts).
+
+    Same call as the module it replaces: ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
+    -> [T, H]``, same math (``down(act(gate(x)) * up(x)) * weight`` summed over the chosen experts; an index equal to
+    ``num_experts`` is skipped like HF). Tokens are grouped per expert with one sort; gate and up are one fused
+    matmul. The route (module doc) follows ``route_for``; ``grouped_min_rows_per_expert`` moves its threshold for
+    this module.
+    """
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module, *,
+                 grouped_min_rows_per_expert: int = GROUPED_MIN_ROWS_PER_EXPERT) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.act_fn = act_fn
+        self.grouped_min_rows_per_expert = grouped_min_rows_per_expert
+        self.layout: str | None = None
+        self.group_size: int | None = None
+        self._geom: dict[str, tuple[int, int, int]] = {}  # proj -> (kernel group, K_run, N_pad)
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
+        for buf in ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros"):
+            self.register_buffer(buf, None, persistent=False)
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.down_packed is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The kernel's activation dtype: that of the scales_and_zeros buffers (``model.to(dtype)`` converts them)."""
+        return None if self.down_scales_and_zeros is None else self.down_scales_and_zeros.dtype
+
+    def tensor_keys(self) -> list[str]:
+        """Checkpoint keys, relative to this module's path (GPTQModel's defused layout ``{e}.gate_proj.qweight``)."""
+        return [f"{e}.{p}.{k}" for e in range(self.num_experts) for p in EXPERT_PROJS for k in GPTQ_KEYS]
+
+    @torch.no_grad()
+    def load_gptq_(
+        self,
+        source: Sequence[Mapping[str, Mapping[str, torch.Tensor]]] | Mapping[str, torch.Tensor],
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        name: str = "experts",
+        prefix: str = "",
+    ) -> Int4Experts:
+        """Fill from per-expert GPTQ tensors: ``source[e]['gate_proj'|'up_proj'|'down_proj'] -> {qweight, ...}``,
+        or a flat mapping with keys ``f"{prefix}{e}.gate_proj.qweight"`` (lazy mappings are read one expert at a
+        time; each expert is converted on ``device`` and copied into its slot of the stacked buffers)."""
+        device = torch.device(device)
+        self.unload_()  # never hold the old and the new buffers at once
+        E = self.num_experts
+        if isinstance(source, Sequence) and len(source) != E:
+            raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
+        stacks: dict[str, torch.Tensor] = {}
+        for e in range(E):
+            ename = f"{name}.{e}"
+            parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
+            for p in EXPERT_PROJS:
+                if "qweight" not in parts[p]:
+                    raise ModelError(f"{ename}.{p}.qweight missing from the checkpoint; re-run orin-omni quantize")
+            gate_up = to_kernel(
+                _fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, ename),
+                self.hidden_dim,
+                device,
+                dtype,
+                f"{ename}.gate_up",
+            )
+            down = to_kernel(parts["down_proj"], self.intermediate_dim, device, dtype, f"{ename}.down_proj")
+            if gate_up.N != 2 * self.intermediate_dim or down.N != self.hidden_dim:
+                raise ModelError(
+                    f"{ename}: expert output sizes in the checkpoint do not match the model's (H={self.hidden_dim}, I={self.intermediate_dim})"
+                )
+            for key, kw in (("gate_up", gate_up), ("down", down)):
+                geom = (kw.kernel_group, kw.K_run, kw.N_pad)
+                if e == 0:
+                    self._geom[key] = geom
+                    stacks[f"{key}_packed"] = torch.empty((E, *kw.weight.shape), dtype=kw.weight.dtype, device=device)
+                    stacks[f"{key}_scales_and_zeros"] = torch.empty(
+                        (E, *kw.scales_and_zeros.shape), dtype=kw.scales_and_zeros.dtype, device=device
+                    )
+                elif self._geom[key] != geom:
+                    raise ModelError(f"{ename}: quantized with a different group size than expert 0; re-quantize")
+                stacks[f"{key}_packed"][e].copy_(kw.weight)
+                stacks[f"{key}_scales_and_zeros"][e].copy_(kw.scales_and_zeros)
+            self.group_size = gate_up.group
+            del gate_up, down, parts
+        for key, value in stacks.items():
+            setattr(self, key, value)
+        self._views = None
+        self.layout = device.type
+        return self
+
+    def unload_(self) -> None:
+        """Drop the packed buffers (the module becomes an empty shell again)."""
+        self.gate_up_packed = self.gate_up_scales_and_zeros = self.down_packed = self.down_scales_and_zeros = None
+        self._views = None
+
+    @classmethod
+    def from_gptq(
+        cls,
+        source: Sequence[Mapping[str, Mapping[str, torch.Tensor]]] | Mapping[str, torch.Tensor],
+        *,
+        num_experts: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        act_fn: nn.Module,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        prefix: str = "",
+        name: str = "experts",
+    ) -> Int4Experts:
+        module = cls(num_experts, hidden_dim, intermediate_dim, act_fn)
+        return module.load_gptq_(source, device, dtype, name=name, prefix=prefix)
+
+    def _apply(self, fn, recurse=True):
+        self._views = None  # .to()/.cuda() replace the buffers: drop views of the old ones
+        return super()._apply(fn, recurse)
+
+    def _expert_views(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per-expert views of the stacked buffers, made once per load: indexing per call costs host time."""
+        if self._views is None:
+            self._views = tuple(
+                t.unbind(0)
+                for t in (
+                    self.gate_up_packed,
+                    self.gate_up_scales_and_zeros,
+                    self.down_packed,
+                    self.down_scales_and_zeros,
+                )
+            )
+        return self._views
+
+    def route_for(self, hidden_states: torch.Tensor, k: int) -> str:
+        """The route forward takes for these rows, k experts each, when the caller names none."""
+        if hidden_states.shape[0] * k < self.grouped_min_rows_per_expert * self.num_experts:
+            return "tinygemm"
+        return "triton" if self._triton_usable(hidden_states) else "grouped_mm"
+
+    def fused(self, hidden_states: torch.Tensor, k: int) -> bool:
+        """Whether forward takes the "triton" route for these rows, k experts each: the one without a host sync,
+        which a CUDA graph can capture."""
+        return self.route_for(hidden_states, k) == "triton"
+
+    def _triton_usable(self, hidden_states: torch.Tensor) -> bool:
+        return grouped_gemm.usable(hidden_states, self.gate_up_packed) and grouped_gemm.usable(
+            hidden_states, self.down_packed)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                route: str | None = None) -> torch.Tensor:
+        """``route``: one of ``EXPERT_ROUTES`` to run that one (no fallback), else ``route_for``'s choice, which
+        falls back from a failing Triton kernel to "grouped_mm" (the kernel is then off for the process)."""
+        check_device(self.down_packed, self.layout, "Int4Experts")
+        T, k = top_k_index.shape
+        E = self.num_experts
+        chosen = self.route_for(hidden_states, k) if route is None else route
+        if chosen not in EXPERT_ROUTES:
+            raise ValueError(f"unknown route {route!r} for Int4Experts: use one of {', '.join(EXPERT_ROUTES)}")
+        if chosen == "triton":
+            if route is not None and not self._triton_usable(hidden_states):
+                raise ValueError("the triton route needs CUDA, Triton, weights packed with 4 inner k-tiles and a "
+                                 "kernel not switched off (orin.int4pack.kernel_errors()); use another route")
+            if T:
+                try:
+                    return self._forward_triton(hidden_states, top_k_index, top_k_weights)
+                except Exception:  # noqa: BLE001 - the kernel's own failure (recorded, and it is now off) falls back
+                    if route is not None or grouped_gemm.error is None:
+                        raise
+            chosen = "grouped_mm"
+        final = torch.zeros_like(hidden_states)
+        if T == 0:
+            return final
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
+        counts_dev = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E]
+        counts = counts_dev.tolist()  # the one host sync
+        rows = sum(counts)
+        if rows == 0:
+            return final
+        order = order[:rows]
+        token = order // k
+        x = self._rows(hidden_states, token)
+        # Every expert's rows are a contiguous slice of the sorted batch, so padding, activation and joins run
+        # once over all rows; only the matmuls are per expert (tinygemm) or per chunk of experts (grouped_mm).
+        if chosen == "grouped_mm":
+            ends = torch.cumsum(counts_dev, 0)
+            gate_up = self._grouped(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0],
+                                    counts, ends)
+            h = self._act(gate_up)
+            out = self._grouped(h, self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], counts, ends)
+        else:
+            h = self._act(self._per_expert(x, 0, self._geom["gate_up"][0], counts))
+            out = self._per_expert(h, 2, self._geom["down"][0], counts)
+        weights = top_k_weights.reshape(-1)[order]
+        return self._combine(final, out, weights, token)
+
+    def _forward_triton(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """One Triton launch per projection over all experts, group boundaries on the device (no host sync, so
+        the host queues the next layers while this one runs)."""
+        E, (T, k) = self.num_experts, top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        # counted by scatter_add: bincount on CUDA syncs with the host to size its output
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat.clamp(max=E), torch.ones_like(flat))
+        ends = torch.cumsum(counts[:E], 0)
+        token = order // k
+        from .kernels import int4_gemm
+
+        # activations handed over in the kernel's column order (int4_gemm.nibble_order)
+        x = self._rows(hidden_states, token, int4_gemm.nibble_order(self.gate_up_packed))
+        gate_up = grouped_gemm(x, self.gate_up_packed, self.gate_up_scales_and_zeros, self._geom["gate_up"][0],
+                               ends, T)
+        h = self._act(gate_up).index_select(1, int4_gemm.nibble_order(self.down_packed))
+        out = grouped_gemm(h, self.down_packed, self.down_scales_and_zeros, self._geom["down"][0], ends, T)
+        # Back to each token's k rows (a permutation: every row has one place), weighted and summed in one
+        # reduction; index_add_'s atomics took 50 us a layer. Rows of out-of-range indices sorted last, beyond
+        # ends[-1], and came back zero: they weigh 0 as well.
+        H = self.hidden_dim
+        dtype = hidden_states.dtype
+        back = torch.empty((T * k, H), dtype=dtype, device=hidden_states.device)
+        back.index_copy_(0, order, out[:, :H].to(dtype))
+        weights = torch.where(flat < E, top_k_weights.reshape(-1), 0).to(dtype)
+        return (back.view(T, k, H) * weights.view(T, k, 1)).sum(1)
+
+    def _rows(self, hidden_states: torch.Tensor, token: torch.Tensor, columns: torch.Tensor | None = None):
+        """The sorted rows in the compute dtype, padded to the kernel's K, their columns in the order `columns`
+        gives (cast, padded and reordered on the T tokens, before the gather repeats each k times)."""
+        x = hidden_states
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        K_gu = self._geom["gate_up"][1]
+        if K_gu > self.hidden_dim:
+            x = F.pad(x, (0, K_gu - self.hidden_dim))
+        if columns is not None:
+            x = x.index_select(1, columns)
+        return x[token]
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.intermediate_dim
+        h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+        K_dn = self._geom["down"][1]
+        return F.pad(h, (0, K_dn - inter)) if K_dn > inter else h
+
+    def _combine(self, final: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor):
+        out = out[:, : self.hidden_dim].to(final.dtype) * weights[:, None].to(final.dtype)
+        return final.index_add_(0, token, out)
+
+    def _per_expert(self, x: torch.Tensor, which: int, kernel_group: int, counts: list[int]) -> torch.Tensor:
+        """tinygemm, one launch per expert that got rows."""
+        views = self._expert_views()
+        packed, sz = views[which], views[which + 1]
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                outs.append(int4_mm(x[start : start + c], packed[e], kernel_group, sz[e]))
+                start += c
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _grouped(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
+                 counts: list[int], ends: torch.Tensor) -> torch.Tensor:
+        """All experts' rows in a few grouped GEMMs: experts dequantized a chunk at a time (bounded transient),
+        each chunk's token groups one ``torch._grouped_mm``."""
+        E = self.num_experts
+        N_pad = scales_and_zeros.shape[-2]
+        per = max(1, PREFILL_DEQUANT_CHUNK // (N_pad * x.shape[1] * x.element_size()))
+        out = x.new_empty((x.shape[0], N_pad))
+        start = 0
+        for e0 in range(0, E, per):
+            e1 = min(E, e0 + per)
+            rows = sum(counts[e0:e1])
+            if not rows:
+                continue
+            w = dequantize_packed(packed[e0:e1], scales_and_zeros[e0:e1], kernel_group)
+            offs = (ends[e0:e1] - start).to(torch.int32)
+            out[start : start + rows] = torch._grouped_mm(x[start : start + rows], w.transpose(1, 2), offs=offs)
+            start += rows
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
+            f"group_size={self.group_size}, loaded={self.is_loaded}, layout={self.layout}"
+        )
+
+
+__all__ = ["EXPERT_PROJS", "EXPERT_ROUTES", "GROUPED_MIN_ROWS_PER_EXPERT", "Int4Experts"]

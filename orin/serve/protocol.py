@@ -1,0 +1,481 @@
+"""The OpenAI chat-completions protocol, apart from HTTP: request parsing and validation, the engine request it
+maps to, and the JSON shapes of responses, stream chunks and errors. Pure functions over dicts, bytes and the
+engine's Report; orin.serve.routes and orin.serve.streaming do the I/O.
+
+Follows what the official `openai` client sends and parses: content parts `text`, `image_url` and `input_audio`;
+`modalities: ["text", "audio"]` with `audio: {voice, format}` returning `message.audio` (`id`, `data`,
+`expires_at`, `transcript`; the text is the transcript and `content` is null, as OpenAI does); in a stream, text
+as `delta.content` (text only) or `delta.audio.transcript` (audio out) and audio as `delta.audio.data`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import os
+import secrets
+import time
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..contract import GenerationRequest, Report
+
+from ..audio_format import CODEC_FRAMES_PER_SECOND, INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
+from ..errors import BudgetError, InputError, OrinError
+
+# Formats the media decoder reads; OpenAI itself takes wav and mp3.
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+# `pcm16` is what OpenAI streams (raw 16-bit little-endian mono at 24 kHz); `wav` is a complete file.
+OUTPUT_AUDIO_FORMATS = ("wav", "pcm16")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """A request the API refuses, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """Client mistakes are 4xx with the engine's message; anything else is a 500 that says what broke."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, BudgetError):
+        return ApiError(400, str(exc), code="budget_exceeded")
+    if isinstance(exc, InputError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, OrinError):
+        return ApiError(500, str(exc), type="server_error")
+    return ApiError(500, f"internal error ({type(exc).__name__}: {exc}); see the server log", type="server_error")
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may carry. `allow_dir` None refuses file:// URLs altogether."""
+
+    max_audio_seconds: float = 300.0
+    max_image_pixels: int = 32 * 1024 * 1024
+    max_new_tokens: int = 8192
+    default_max_new_tokens: int = 256
+    allow_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat-completions request; `messages` are in orin.engine's format (decoded media)."""
+
+    messages: tuple
+    model: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    audio_out: bool = False
+    voice: str | None = None
+    audio_format: str = "wav"
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise _bad("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def b64decode(data: object, param: str) -> bytes:
+    """Strict base64 (standard alphabet, padding checked); line breaks from MIME-style wrapping are tolerated."""
+    if not isinstance(data, str):
+        raise _bad(f"{param} must be a base64 string", param)
+    compact = "".join(data.split())
+    try:
+        return base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _bad(f"{param} is not valid base64: {exc}", param) from exc
+
+
+def decode_data_url(url: str, param: str) -> bytes:
+    """The payload of a data: URL (base64 or percent-encoded)."""
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise _bad(f"{param} is a data: URL without a ',' before its payload", param)
+    if header.lower().endswith(";base64"):
+        return b64decode(payload, param)
+    return urllib.parse.unquote_to_bytes(payload)
+
+
+def read_file_url(url: str, allow_dir: str | None, param: str, max_bytes: int) -> bytes:
+    """A file:// URL's bytes, only for a regular file under `allow_dir` (symlinks resolved first, so a link
+    inside the directory cannot point out of it)."""
+    if allow_dir is None:
+        raise _bad(f"{param}: file:// URLs are refused by this server; send the image as a data: URL, or start "
+                   "the server with --allow-dir DIR to allow files under DIR", param)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise _bad(f"{param}: file URL host {parsed.netloc!r} is not local; use file:///path", param)
+    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    root = os.path.realpath(allow_dir)
+    if os.path.commonpath([path, root]) != root:
+        raise _bad(f"{param}: {path} is outside the allowed directory {root}", param)
+    if not os.path.isfile(path):
+        raise _bad(f"{param}: {path} is not a file", param)
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise ApiError(413, f"{param}: {path} is {size} bytes, over the {max_bytes}-byte limit", param=param)
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _image(part: dict, limits: Limits, param: str, max_bytes: int):
+    from ..media import load_image
+
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{param}.image_url.url must be a non-empty string", f"{param}.image_url")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        raw = decode_data_url(url, f"{param}.image_url.url")
+    elif scheme == "file":
+        raw = read_file_url(url, limits.allow_dir, f"{param}.image_url.url", max_bytes)
+    elif scheme in ("http", "https"):
+        raise _bad(f"{param}.image_url.url: this server never fetches from the network; send the image as a "
+                   "data: URL (data:image/png;base64,...)", f"{param}.image_url")
+    else:
+        raise _bad(f"{param}.image_url.url must be a data: URL (or file:// under --allow-dir), got scheme "
+                   f"{scheme or 'none'!r}", f"{param}.image_url")
+    if not raw:
+        raise _bad(f"{param}.image_url.url holds no image bytes", f"{param}.image_url")
+    return load_image(raw, max_pixels=limits.max_image_pixels)
+
+
+def _audio(part: dict, limits: Limits, param: str):
+    import numpy as np
+
+    from ..media import load_audio
+
+    spec = part.get("input_audio")
+    if not isinstance(spec, dict):
+        raise _bad(f"{param}.input_audio must be an object with 'data' and 'format'", f"{param}.input_audio")
+    fmt = spec.get("format")
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in INPUT_AUDIO_FORMATS):
+        raise _bad(f"{param}.input_audio.format {fmt!r} is not supported; use one of "
+                   f"{', '.join(INPUT_AUDIO_FORMATS)}", f"{param}.input_audio.format")
+    raw = b64decode(spec.get("data"), f"{param}.input_audio.data")
+    if not raw:
+        raise _bad(f"{param}.input_audio.data is empty: send at least a fraction of a second of audio",
+                   f"{param}.input_audio.data")
+    samples = load_audio(raw, target_sr=INPUT_SAMPLE_RATE, max_seconds=limits.max_audio_seconds)
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.size == 0:
+        raise _bad(f"{param}.input_audio holds zero samples: send at least a fraction of a second of audio",
+                   f"{param}.input_audio.data")
+    seconds = samples.shape[-1] / INPUT_SAMPLE_RATE
+    if seconds > limits.max_audio_seconds:
+        raise _bad(f"{param}.input_audio is {seconds:.1f} s long, over the {limits.max_audio_seconds:g} s limit; "
+                   "send a shorter clip", f"{param}.input_audio.data")
+    return samples
+
+
+def _content(role: str, content: object, limits: Limits, param: str, max_bytes: int):
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise _bad(f"{param}.content must be a string or a non-empty list of content parts", f"{param}.content")
+    parts = []
+    for j, part in enumerate(content):
+        where = f"{param}.content[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(f"{where} must be an object with a 'type'", where)
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"{where}.text must be a string", f"{where}.text")
+            parts.append({"type": "text", "text": text})
+        elif kind in ("image_url", "input_audio"):
+            if role != "user":
+                raise _bad(f"{where}: {kind} parts are only accepted in user messages", where)
+            if kind == "image_url":
+                parts.append({"type": "image", "image": _image(part, limits, where, max_bytes)})
+            else:
+                parts.append({"type": "audio", "audio": _audio(part, limits, where)})
+        else:
+            raise _bad(f"{where}: content type {kind!r} is not supported; use text, image_url or input_audio",
+                       f"{where}.type", code="unsupported_content_type")
+    return parts
+
+
+def parse_messages(messages: object, limits: Limits, max_bytes: int = 64 << 20) -> tuple:
+    if messages is None:
+        raise _bad("missing required parameter 'messages'", "messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _bad(f"{param} must be an object with 'role' and 'content'", param)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise _bad(f"{param}.role {role!r} is not supported; use system, developer, user or assistant",
+                       f"{param}.role")
+        content = msg.get("content")
+        if content is None:
+            if role == "assistant" and msg.get("audio"):
+                raise _bad(f"{param}: earlier audio replies are not stored by this server; send the assistant "
+                           "turn's transcript as its content", f"{param}.audio")
+            raise _bad(f"{param}.content is missing", f"{param}.content")
+        out.append({"role": ROLES[role], "content": _content(role, content, limits, param, max_bytes)})
+    return tuple(out)
+
+
+def _number(data: dict, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"'{key}' must be a number", key)
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise _bad(f"'{key}' is {value}; it must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}", key)
+    return float(value)
+
+
+def _int(value: object, key: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{key}' must be an integer", key)
+    if not lo <= value <= hi:
+        raise _bad(f"'{key}' is {value}; it must be between {lo} and {hi}", key)
+    return value
+
+
+def _unsupported(data: dict) -> None:
+    """Parameters that would change the answer's meaning and that this server cannot honour: refused, not
+    silently ignored. Other unknown keys are ignored, as clients send extras."""
+    n = data.get("n")
+    if n not in (None, 1):
+        raise _bad("'n' must be 1: one choice per request", "n")
+    if data.get("tools") or data.get("functions"):
+        raise _bad("tools and function calling are not supported by this server", "tools")
+    if data.get("stop") not in (None, [], ""):
+        raise _bad("'stop' sequences are not supported by this server", "stop")
+    if data.get("logprobs"):
+        raise _bad("'logprobs' are not supported by this server", "logprobs")
+    fmt = data.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def _modalities(data: dict) -> bool:
+    """True when audio output is asked for."""
+    mods = data.get("modalities")
+    if mods is None:
+        return False
+    if not isinstance(mods, list) or not mods or not all(isinstance(m, str) for m in mods):
+        raise _bad("'modalities' must be a list such as [\"text\"] or [\"text\", \"audio\"]", "modalities")
+    unknown = sorted(set(mods) - {"text", "audio"})
+    if unknown:
+        raise _bad(f"unknown modalities {unknown}; use [\"text\"] or [\"text\", \"audio\"]", "modalities")
+    return "audio" in mods
+
+
+def _audio_param(data: dict, stream: bool) -> tuple[str | None, str]:
+    spec = data.get("audio")
+    if spec is None:
+        return None, "pcm16" if stream else "wav"
+    if not isinstance(spec, dict):
+        raise _bad("'audio' must be an object such as {\"voice\": \"ethan\", \"format\": \"wav\"}", "audio")
+    voice = spec.get("voice")
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if voice is not None and (not isinstance(voice, str) or not voice.strip()):
+        raise _bad("'audio.voice' must be a voice name such as \"ethan\"", "audio.voice")
+    fmt = spec.get("format", "pcm16" if stream else "wav")
+    if fmt not in OUTPUT_AUDIO_FORMATS:
+        raise _bad(f"audio.format {fmt!r} is not supported; use one of {', '.join(OUTPUT_AUDIO_FORMATS)}",
+                   "audio.format")
+    return (voice.strip().lower() if voice else None), fmt
+
+
+def parse_chat(data: dict, limits: Limits, *, max_bytes: int = 64 << 20,
+               random_seed=lambda: secrets.randbits(31)) -> ChatRequest:
+    """Validate a decoded request body and decode its media. Raises ApiError (protocol) or orin InputError
+    (media the decoders refuse); both are the client's fault."""
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    _unsupported(data)
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be true or false", "stream")
+    opts = data.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    audio_out = _modalities(data)
+    voice, fmt = _audio_param(data, stream) if audio_out else (None, "wav")
+    limit_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    raw_limit = data.get(limit_key)
+    max_new = (limits.default_max_new_tokens if raw_limit is None
+               else _int(raw_limit, limit_key, 1, limits.max_new_tokens))
+    temperature = _number(data, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed_value = data.get("seed")
+    # Greedy decoding ignores the seed; with sampling and no seed, answers vary from call to call as on OpenAI.
+    seed = random_seed() if seed_value is None else _int(seed_value, "seed", -(2**63), 2**63 - 1)
+    messages = parse_messages(data.get("messages"), limits, max_bytes)
+    return ChatRequest(
+        messages=messages, model=model, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+        seed=seed, audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
+        include_usage=bool(opts.get("include_usage")),
+    )
+
+
+def generation_request(req: ChatRequest, max_speech_seconds: float | None = None) -> GenerationRequest:
+    """The engine's request for a validated chat request; `max_speech_seconds` is the server's cap on speech."""
+    from ..contract import GenerationRequest
+
+    extra: dict = {"voice": req.voice} if req.voice else {}
+    if max_speech_seconds is not None:
+        extra["max_audio_frames"] = max(1, math.ceil(max_speech_seconds * CODEC_FRAMES_PER_SECOND))
+    return GenerationRequest(messages=req.messages, max_new_tokens=req.max_new_tokens, speech=req.audio_out,
+                             temperature=req.temperature, top_p=req.top_p, seed=req.seed, **extra)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}' "
+                       "(GET /v1/models lists it)", param="model", code="model_not_found")
+
+
+# Responses ------------------------------------------------------------------------------------------------
+
+
+def new_ids() -> tuple[str, str, int]:
+    """(completion id, audio id, created timestamp)."""
+    token = secrets.token_hex(12)
+    return f"chatcmpl-{token}", f"audio_{token}", int(time.time())
+
+
+def encode_pcm16(samples) -> bytes:
+    import numpy as np
+
+    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
+    return (clipped * 32767.0).round().astype("<i2").tobytes()
+
+
+def encode_audio(samples, fmt: str) -> bytes:
+    """One audio payload in `fmt`; a streamed `wav` chunk is a complete small file of its own."""
+    import numpy as np
+
+    samples = np.zeros(0, dtype=np.float32) if samples is None else samples
+    if fmt == "pcm16":
+        return encode_pcm16(samples)
+    from ..media import encode_wav
+
+    return encode_wav(samples, sr=OUTPUT_SAMPLE_RATE)
+
+
+def finish_reason(report: Report) -> str:
+    """OpenAI's finish_reason: "length" when max_tokens cut the answer, else "stop". A cancelled request never
+    gets here with a success: the server answers it with an error (or not at all, when the client left)."""
+    return "length" if report.finish_reason == "length" else "stop"
+
+
+def usage(report: Report) -> dict:
+    prompt, completion = int(report.prompt_tokens), int(report.completion_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(req: ChatRequest, model: str, ids: tuple[str, str, int], text: str, audio,
+                    report: Report) -> dict:
+    cid, aid, created = ids
+    message: dict = {"role": "assistant", "content": text, "refusal": None}
+    if req.audio_out:
+        # Audio replies are not stored, so an id cannot be referenced in a later turn: it expires at once.
+        data = base64.b64encode(encode_audio(audio, req.audio_format)).decode()
+        message["content"] = None
+        message["audio"] = {"id": aid, "data": data, "expires_at": created, "transcript": text}
+    return {
+        "id": cid, "object": "chat.completion", "created": created, "model": model, "system_fingerprint": None,
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": finish_reason(report)}],
+        "usage": usage(report),
+        "orin": report.to_json(),
+    }
+
+
+def chunk(ids: tuple[str, str, int], model: str, delta: dict | None, *, finish: str | None = None,
+          extra: Mapping | None = None) -> dict:
+    """One stream chunk; `delta` None gives the choices-less usage chunk."""
+    cid, _aid, created = ids
+    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                  "finish_reason": finish}]}
+    if extra:
+        body.update(extra)
+    return body
+
+
+def text_delta(req: ChatRequest, ids: tuple[str, str, int], text: str) -> dict:
+    if req.audio_out:
+        return {"audio": {"id": ids[1], "transcript": text}}
+    return {"content": text}
+
+
+def audio_delta(req: ChatRequest, ids: tuple[str, str, int], samples) -> dict:
+    return {"audio": {"id": ids[1], "data": base64.b64encode(encode_audio(samples, req.audio_format)).decode()}}
+
+
+def sse(obj: object) -> bytes:
+    """One server-sent event; compact JSON never holds a newline, so one data: line suffices."""
+    payload = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), default=_jsonable)
+    return f"data: {payload}\n\n".encode()
+
+
+def _jsonable(value):
+    """Numpy scalars and arrays in reports."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=_jsonable).encode()
+
+
+def model_card(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "orin-omni"}

@@ -1,0 +1,159 @@
+"""orin.decode, the engine's only decode path, against the HF modules it replaces (the oracle): the thinker's
+prefill and steps, the talker and code predictor through the whole pipeline against HF generate(), and the text
+embeddings the talker reads once the thinker is swapped out. CPU, on the synthetic INT4 checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orin.contract import AudioChunk, GenerationRequest
+
+
+def _speech_request(tokens=10, frames=5, ignore_eos=True):
+    from orin.media import synth_image, synth_speechlike
+
+    parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(1.0)},
+             {"type": "text", "text": "Describe it all."}]
+    return GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=tokens,
+                             max_audio_frames=frames, ignore_eos=ignore_eos)
+
+
+@pytest.fixture(scope="module")
+def synthetic_engine(synthetic_dir):
+    from orin.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model_dir=synthetic_dir, device="cpu", power_backend="none", verify_checksums=False))
+    yield engine
+    engine.close()
+
+
+def test_static_decoder_matches_the_hf_step(synthetic_engine):
+    """Same logits as the HF modules with a dynamic cache, over forced tokens (not argmax: a random tiny model
+    falls into loops that would hide position errors)."""
+    from transformers import DynamicCache
+
+    from orin.decode import StaticDecoder
+
+    engine = synthetic_engine
+    engine.loader.ensure("thinker_text")
+    model = engine.model
+    lm = model.thinker.model.language_model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, 20), generator=gen)
+    with torch.inference_mode():
+        cache = DynamicCache(config=lm.config)
+        model.thinker.model.rope_deltas = None
+        model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
+        dec = StaticDecoder(lm, model.thinker.lm_head, model.thinker.model, torch.device("cpu"))
+        positions = torch.arange(20).view(1, 1, -1).expand(3, 1, -1)
+        dec.prefill(lm.embed_tokens(ids)[0], positions, 40)
+        assert dec.max_len % 64 == 0 and dec.length == 20
+        for token in torch.randint(0, 256, (12,), generator=gen).tolist():
+            fast = dec.step(token)
+            tok = torch.tensor([[token]])
+            out = model.thinker.model(inputs_embeds=lm.embed_tokens(tok), past_key_values=cache, use_cache=True)
+            ref = model.thinker.lm_head(out.last_hidden_state)[:, -1]
+            assert float((fast - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_fast_talker_and_code_predictor_give_the_hf_frames(synthetic_engine):
+    """The pipeline (orin.decode for thinker, talker and code predictor) against HF generate() on the same
+    weights, greedy: same text tokens, same codec frames (through HF's code2wav), same audio."""
+    engine = synthetic_engine
+    req = _speech_request(tokens=10, frames=5, ignore_eos=False)
+    events = list(engine.stream(req))
+    report = events[-1].report
+    frames = [f for e in events if isinstance(e, AudioChunk) for f in e.frames]
+    assert len(frames) == report.talker_frames > 0
+    assert engine.decoders.talker.length > 0  # the static talker really ran
+    prompt = engine.prepare(req)
+    with torch.inference_mode():
+        seq, wav = engine.model.generate(
+            **prompt.inputs, return_audio=True, speaker="ethan", thinker_max_new_tokens=10, thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=report.talker_frames + 1,
+            thinker_eos_token_id=engine.config.im_end_token_id)
+        assert tuple(seq[0, prompt.length:].tolist()) == report.token_ids
+        codes = torch.tensor(frames).T.unsqueeze(0)
+        ours = engine.model.code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).reshape(-1)
+    ref = wav.reshape(-1)
+    k = min(ours.numel(), ref.numel())
+    assert k > 0 and float(abs(ours[:k] - ref[:k]).max()) < 1e-4
+
+
+def test_fast_prefill_matches_the_hf_prefill(synthetic_engine):
+    """orin.decode's prefill (audio and image merged, deepstack on the first layers, M-RoPE) against the HF
+    language model with a dynamic cache: last logits, the hidden states the talker reads, every layer's keys
+    and values, and the decode steps that follow; unpadded and padded to a bucket as the CUDA graphs are."""
+    from transformers import DynamicCache
+
+    engine = synthetic_engine
+    prompt = engine.prepare(_speech_request())
+    for comp in ("audio_encoder", "vision_encoder", "thinker_text"):
+        engine.loader.ensure(comp)
+    inputs, ids = prompt.inputs, prompt.input_ids
+    n, accept = prompt.length, engine.config.talker_config.accept_hidden_layer
+    thinker = engine.model.thinker
+    gen = torch.Generator().manual_seed(1)
+    forced = torch.randint(0, 256, (6,), generator=gen).tolist()
+    with torch.inference_mode():
+        audio = engine.thinker.encode_audio(inputs)
+        image = engine.thinker.encode_image(inputs)
+        for bucket in (1, n + 5):
+            embeds, positions, visual = engine.thinker.merge(inputs, ids, audio, image)
+            assert visual is not None and len(visual[1]) == 2  # deepstack into layers 0 and 1
+            cache = DynamicCache(config=engine.config.thinker_config.text_config)
+            out = thinker.model.language_model(
+                inputs_embeds=embeds, attention_mask=inputs["attention_mask"], position_ids=positions,
+                past_key_values=cache, use_cache=True, output_hidden_states=True, visual_pos_masks=visual[0],
+                deepstack_visual_embeds=visual[1])
+            ref_logits = thinker.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+            ref_states = {i: out.hidden_states[i] for i in (0, accept)}
+            embeds, positions, visual = engine.thinker.merge(inputs, ids, audio, image)
+            fast = engine.decoders.thinker
+            res = fast.prefill(embeds[0], positions, n + 8, record=(0, accept), visual=visual, bucket=bucket)
+            assert fast.length == n and fast.max_len >= n + 8
+            assert float((res.logits - ref_logits).norm() / ref_logits.norm()) < 1e-5
+            for i in (0, accept):
+                assert res.states[i].shape == ref_states[i].shape
+                assert torch.allclose(res.states[i], ref_states[i], atol=1e-5, rtol=1e-4)
+            for i, layer in enumerate(cache.layers):
+                assert torch.allclose(fast.k_cache[i][:, :, :n], layer.keys, atol=1e-5, rtol=1e-4)
+                assert torch.allclose(fast.v_cache[i][:, :, :n], layer.values, atol=1e-5, rtol=1e-4)
+            for token in forced:
+                ours = fast.step(token)
+                o = thinker.model(inputs_embeds=thinker.model.get_input_embeddings()(torch.tensor([[token]])),
+                                  past_key_values=cache, use_cache=True)
+                ref = thinker.lm_head(o.last_hidden_state)[:, -1]
+                assert float((ours - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_sampled_talker_is_seeded_and_differs_from_greedy(synthetic_engine):
+    """talker_temperature > 0 samples the talker and the code predictor (on the same decode path) from the
+    request's seed: the same seed gives the same frames, the greedy request other frames."""
+
+    def frames_of(**kw):
+        req = GenerationRequest(messages=({"role": "user", "content": "Say something."},), max_new_tokens=4,
+                                max_audio_frames=6, ignore_eos=True, **kw)
+        return [f for e in synthetic_engine.stream(req) if isinstance(e, AudioChunk) for f in e.frames]
+
+    a = frames_of(talker_temperature=0.9, seed=5)
+    assert len(a) == 6 and a == frames_of(talker_temperature=0.9, seed=5)
+    assert a != frames_of(talker_temperature=0.0)
+
+
+def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_engine):
+    from orin.errors import ModelError
+    from orin.thinker import TextEmbeddings
+
+    engine = synthetic_engine
+    engine.loader.ensure("thinker_text")
+    embeddings = TextEmbeddings(engine.model, engine.config, engine.device, engine.loader.is_resident)
+    ids = torch.tensor([[7, 42, engine.config.tts_pad_token_id]])
+    with torch.inference_mode():
+        want = embeddings(ids).clone()
+        embeddings.remember([7, 42])
+        engine.loader.evict("thinker_text")
+        assert torch.equal(embeddings(ids), want)
+        with pytest.raises(ModelError, match="no remembered embedding"):
+            embeddings(torch.tensor([[99]]))
