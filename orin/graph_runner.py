@@ -48,7 +48,9 @@ class GraphRunner:
 
             # One compiled variant per layer shape and cache length (thinker, talker, code predictor prefill
             # and step, each KV length): more than dynamo's default of 8 over a server's life.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # (`cache_size_limit` in older torch)
+            name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
             # Inductor's pool of compile worker processes competes with the requests that follow for CPU:
             # on an H200 host the next requests' feature extraction took 0.12 s instead of 0.01 s (BENCHMARKS.md).
             # Compiling in-process is slower once (the warm-up absorbs it) and leaves nothing running.

@@ -12,7 +12,8 @@ names one (``forward(..., route=...)``; a check compares them that way):
   for 467 tokens).
 - ``"grouped_mm"``: prefill elsewhere (CPU; CUDA without Triton, with a kernel switched off after a failure, or
   with packed shapes the kernel does not take): experts dequantized a chunk of at most
-  ``orin.plan.PREFILL_DEQUANT_CHUNK`` bytes at a time, each chunk's rows one ``torch._grouped_mm``.
+  ``orin.plan.PREFILL_DEQUANT_CHUNK`` bytes at a time, each chunk's rows one ``torch._grouped_mm`` (one matmul
+  per expert where the torch has none for the device: `grouped_matmul`).
 """
 
 from __future__ import annotations
@@ -353,8 +354,7 @@ class Int4Experts(nn.Module):
             if not rows:
                 continue
             w = dequantize_packed(packed[e0:e1], scales_and_zeros[e0:e1], kernel_group)
-            offs = (ends[e0:e1] - start).to(torch.int32)
-            out[start : start + rows] = torch._grouped_mm(x[start : start + rows], w.transpose(1, 2), offs=offs)
+            out[start : start + rows] = grouped_matmul(x[start : start + rows], w, counts[e0:e1], ends[e0:e1] - start)
             start += rows
         return out
 
@@ -365,4 +365,41 @@ class Int4Experts(nn.Module):
         )
 
 
-__all__ = ["EXPERT_PROJS", "EXPERT_ROUTES", "GROUPED_MIN_ROWS_PER_EXPERT", "Int4Experts"]
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], ends: torch.Tensor,
+                   fused: bool | None = None) -> torch.Tensor:
+    """x [rows, K] (each expert's rows contiguous, `counts` of them, ending at `ends`) times each expert's w [E, N, K]
+    transposed -> [rows, N]: one ``torch._grouped_mm`` where this torch has one for the device and dtype (2.8 has
+    it for CUDA sm90 only, 2.6 and 2.7 not at all), else one matmul per expert. `fused` forces one or the other."""
+    if fused is None:
+        fused = _grouped_mm_works(x.device, x.dtype)
+    if fused:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    out = x.new_empty((x.shape[0], w.shape[1]))
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            out[start : start + c] = x[start : start + c] @ w[e].t()
+            start += c
+    return out
+
+
+_GROUPED_MM: dict = {}
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs here: tried once per device and dtype on a tiny problem."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.zeros((16, 16), device=device, dtype=dtype)
+                b = torch.zeros((2, 16, 16), device=device, dtype=dtype)
+                torch._grouped_mm(a, b, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
+__all__ = ["EXPERT_PROJS", "EXPERT_ROUTES", "GROUPED_MIN_ROWS_PER_EXPERT", "Int4Experts", "grouped_matmul"]

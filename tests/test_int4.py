@@ -746,3 +746,19 @@ def test_defuser_names_experts_like_our_format(gptqmodel_api):
     assert set(int4_tensor_keys(Int4Experts(E, H, INTER, nn.SiLU()))) == {
         f"{n}.{k}"[len("experts.") :] for n in linears for k in ("qweight", "qzeros", "scales", "g_idx")
     }
+
+
+def test_grouped_matmul_without_torch_grouped_mm_gives_the_same_rows():
+    """torch 2.6/2.7 have no torch._grouped_mm and 2.8 only for CUDA sm90: the per-expert matmuls stand in."""
+    from orin.int4_experts import grouped_matmul
+
+    gen = torch.Generator().manual_seed(7)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), 32, generator=gen)
+    w = torch.randn(len(counts), 24, 32, generator=gen)
+    ends = torch.tensor(counts).cumsum(0)
+    loop = grouped_matmul(x, w, counts, ends, fused=False)
+    rows = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist()))])
+    assert torch.allclose(loop, rows, atol=1e-6)
+    if hasattr(torch, "_grouped_mm"):
+        assert torch.allclose(grouped_matmul(x, w, counts, ends, fused=True), loop, atol=1e-5)
