@@ -5,3 +5,20 @@ INPUT_SAMPLE_RATE = 16_000  # audio into the audio encoder (Whisper features)
 OUTPUT_SAMPLE_RATE = 24_000  # speech out of code2wav
 CODEC_FRAMES_PER_SECOND = 12.5  # one codec frame per 80 ms of speech
 SAMPLES_PER_FRAME = int(OUTPUT_SAMPLE_RATE / CODEC_FRAMES_PER_SECOND)  # 1920
+
+
+def conv_length(n):
+    """Frames left after the audio encoder's three stride-2, kernel-3, padding-1 convolutions (ints or integer
+    arrays)."""
+    for _ in range(3):
+        n = (n - 1) // 2 + 1
+    return n
+
+
+def audio_token_count(frames: int, n_window: int = 50) -> int:
+    """Audio tokens the encoder makes of `frames` Whisper feature frames, cut into chunks of 2 * n_window: whole
+    chunks plus the tail's. The one formula for the processor's placeholders, the M-RoPE positions and the
+    encoder (HF writes a full chunk's 13 tokens as a constant: conv_length(100) at Qwen3-Omni's n_window 50)."""
+    chunk = 2 * n_window
+    tail = frames % chunk
+    return (frames // chunk) * conv_length(chunk) + (conv_length(tail) if tail else 0)

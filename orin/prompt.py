@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from .errors import InputError
+from .inputs.prompt import split_media
 
 
 @dataclass(frozen=True)
@@ -26,26 +24,8 @@ class Prompt:
 
 
 def prepare_prompt(processor, thinker_config, messages, device) -> Prompt:
-    images, audios, rendered = [], [], []
-    for msg in messages:
-        content = msg.get("content")
-        if isinstance(content, str):
-            rendered.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
-            continue
-        parts = []
-        for part in content or []:
-            kind = part.get("type")
-            if kind == "text":
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind == "image":
-                images.append(part["image"])
-                parts.append({"type": "image"})
-            elif kind == "audio":
-                audios.append(np.asarray(part["audio"], dtype=np.float32))
-                parts.append({"type": "audio"})
-            else:
-                raise InputError(f"unsupported content part type {kind!r}: use text, image or audio")
-        rendered.append({"role": msg["role"], "content": parts})
+    conv = split_media(messages)
+    images, audios, rendered = conv.images, conv.audios, conv.messages
     text = processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     # On CUDA the Whisper features of the audio (an STFT of up to 30 s) are computed on the GPU: ~1 ms
     # instead of ~5-10 ms of host time ahead of everything else in the request.

@@ -39,3 +39,14 @@ def test_device_side_never_imports_quantize():
         if path.name == "cli.py":
             continue  # the quantize command imports it lazily, inside the command
         assert "from quantize" not in text and "import quantize" not in text, path.name
+
+
+def test_own_model_modules_import_no_transformers():
+    """orin-omni's own encoders, code2wav, positions and input processing run where transformers is not installed
+    (JetPack 6's Python 3.10 cannot have the pinned release)."""
+    modules = ["audio_encoder", "vision_encoder", "code2wav", "positions", "inputs", "contract", "module_config",
+               "audio_format"]
+    probe = ("import sys\n" + "".join(f"import orin.{m}\n" for m in modules)
+             + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -758,7 +758,7 @@ def test_grouped_matmul_without_torch_grouped_mm_gives_the_same_rows():
     w = torch.randn(len(counts), 24, 32, generator=gen)
     ends = torch.tensor(counts).cumsum(0)
     loop = grouped_matmul(x, w, counts, ends, fused=False)
-    rows = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist()))])
+    rows = torch.cat([x[s:e] @ w[i].t() for i, (s, e) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist(), strict=True))])
     assert torch.allclose(loop, rows, atol=1e-6)
     if hasattr(torch, "_grouped_mm"):
         assert torch.allclose(grouped_matmul(x, w, counts, ends, fused=True), loop, atol=1e-5)

@@ -1,0 +1,40 @@
+"""Checks shared by the tests of orin-omni's own modules against the transformers modules they replace."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_same_tree(models, hf) -> None:
+    """Each of `models` (built on the meta device) has `hf`'s parameter names, shapes and dtypes, all on meta, and
+    `hf`'s buffers, real and equal: the loader can assign the checkpoint's tensors into it by name."""
+    expected = {n: (p.shape, p.dtype) for n, p in hf.named_parameters()}
+    for model in models:
+        assert {n: (p.shape, p.dtype) for n, p in model.named_parameters()} == expected
+        assert all(p.is_meta for p in model.parameters())
+        buffers = dict(model.named_buffers())
+        assert sorted(buffers) == sorted(dict(hf.named_buffers()))
+        for name, buf in hf.named_buffers():
+            assert not buffers[name].is_meta and torch.equal(buffers[name], buf), name
+
+
+def checkpoint_state(model_dir, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under `prefix` (e.g. "code2wav."), renamed relative to it, in float32."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    return {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def random_state(model: torch.nn.Module, seed: int, matrix_scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` drawn afresh: vectors (norms, biases, snake parameters) moved off
+    their init, matrices at `matrix_scale` / sqrt(fan-in). A freshly initialised model has identity norms, zero
+    biases and near-identity layer scales, which would hide a wrong path."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in sorted(model.state_dict().items()):
+        noise = torch.randn(p.shape, generator=gen)
+        state[name] = p + 0.3 * noise if p.dim() == 1 else matrix_scale * noise / p[0].numel() ** 0.5
+    return state
