@@ -71,10 +71,10 @@ class Engine:
         from .checkpoint import Checkpoint
         from .decode import Decoders
         from .device import pick_device
+        from .inputs import Processor
         from .loader import Loader
         from .plan import size_model
         from .power.meter import PowerConfig, PowerMeter
-        from .processor import build_processor
         from .thinker import Thinker
 
         self.cfg = cfg
@@ -88,7 +88,7 @@ class Engine:
                              estimates={c: s.runtime_int4_bytes for c, s in self.sizes.components.items()},
                              on_swap=self._notify)
         self.model = self.loader.model
-        self.processor = build_processor(cfg.model_dir)
+        self.processor = Processor.from_dir(cfg.model_dir)
         self.tokenizer = self.processor.tokenizer
         self.model_name = self.ckpt.name
         self.meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend, hz=cfg.power_hz,

@@ -1,6 +1,7 @@
-"""The Qwen3-Omni processor the engine prepares prompts with: chat template, tokenizer, Whisper features and
-image patches. Built in code: AutoProcessor cannot load it here, its video processor needs torchvision, which has
-no build for the board's torch. Images and audio need only these three parts."""
+"""transformers' Qwen3-Omni processor, for the workstation side (quantize's calibration), the HF reference of the
+benchmark and the tests' oracle; the device prepares prompts with orin.inputs, its own. Built in code:
+AutoProcessor cannot load it here, its video processor needs torchvision. Images and audio need only these three
+parts."""
 
 from __future__ import annotations
 

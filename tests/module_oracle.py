@@ -38,3 +38,15 @@ def random_state(model: torch.nn.Module, seed: int, matrix_scale: float = 0.5) -
         noise = torch.randn(p.shape, generator=gen)
         state[name] = p + 0.3 * noise if p.dim() == 1 else matrix_scale * noise / p[0].numel() ** 0.5
     return state
+
+
+def hf_prompt_inputs(hf_processor, messages, device: str = "cpu") -> dict:
+    """A request's messages through transformers' processor (orin.processor.build_processor), as the engine
+    prepared them before it had its own processor: the oracle for orin.inputs and the positions."""
+    from orin.inputs.prompt import split_media
+
+    conv = split_media(messages)
+    text = hf_processor.apply_chat_template(conv.messages, add_generation_prompt=True, tokenize=False)
+    extra = {"device": device} if conv.audios and device != "cpu" else {}
+    return dict(hf_processor(text=[text], images=conv.images or None, audio=conv.audios or None,
+                             return_tensors="pt", padding=True, **extra))

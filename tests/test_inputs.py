@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -70,16 +69,11 @@ def mine(tiny_model_dir):
     return Processor.from_dir(tiny_model_dir)
 
 
-def _thinker_ids(model_dir):
-    ids = json.loads((Path(model_dir) / "orin_tiny.json").read_text())["token_ids"]
-    return SimpleNamespace(audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"])
-
-
 def hf_inputs(hf_proc, model_dir, messages, device="cpu") -> dict:
-    """What the engine gets today: orin.prompt through transformers' processor (Whisper features on `device`)."""
-    from orin.prompt import prepare_prompt
+    """transformers' processor on the same messages (Whisper features on `device`)."""
+    from module_oracle import hf_prompt_inputs
 
-    return prepare_prompt(hf_proc, _thinker_ids(model_dir), messages, torch.device(device)).inputs
+    return hf_prompt_inputs(hf_proc, messages, device)
 
 
 def assert_same_inputs(expected: dict, got: dict):

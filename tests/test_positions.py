@@ -47,9 +47,9 @@ def processor(tiny_model_dir):
 
 
 def prepare(processor, hf, messages):
-    from orin.prompt import prepare_prompt
+    from module_oracle import hf_prompt_inputs
 
-    return prepare_prompt(processor, hf.config.thinker_config, messages, torch.device("cpu")).inputs
+    return hf_prompt_inputs(processor, messages)
 
 
 def hf_thinker(hf, ids, **media):
