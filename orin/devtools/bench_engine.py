@@ -124,9 +124,11 @@ def _measure_resident(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, 
     summary["warmup_s"] = warm_s
     summary["decoders"] = engine.decoder_stats()
     # TTFT again on short requests (no speech): the measured request's value is one sample.
-    ttfts = [stream_request(engine, bench_request(cfg, inputs, max_new_tokens=2, speech=False)).report.ttft_s
-             for _ in range(3)]
-    summary.update(ttft_stats(summary["ttft_s"], ttfts))
+    repeats = [stream_request(engine, bench_request(cfg, inputs, max_new_tokens=2, speech=False)).report
+               for _ in range(3)]
+    summary.update(ttft_stats(summary["ttft_s"], [r.ttft_s for r in repeats]))
+    # where each repeat's time went: they have come out slower than the measured request on some hosts
+    summary["ttft_repeats_timeline_s"] = [dict(r.timeline_s) for r in repeats]
     log_fn(f"[{name}] ttft {summary['ttft_s']:.3f} s, first audio {summary['first_audio_s'] or 0:.3f} s, "
            f"thinker {summary['decode_tokens_per_s'] or 0:.1f} tok/s, talker "
            f"{summary['talker_frames_per_s'] or 0:.1f} frames/s, peak {format_bytes(summary['peak_bytes'] or 0)}, "
