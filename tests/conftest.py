@@ -144,3 +144,17 @@ def synthetic_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("synthetic") / "ckpt"
     write_synthetic_checkpoint(SyntheticConfig(config="tiny", out=str(out), device="cpu", seed=3))
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def server(engine, quantized_dir):
+    """`orin-omni serve` on port 0 around the shared engine, with the real warm-up as under systemd; speech capped
+    at server_kit.SPEECH_S (the tiny model's random talker never ends its speech on its own)."""
+    from server_kit import SPEECH_S
+
+    from orin.serve.app import ServeConfig, Server
+
+    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=True,
+                             max_speech_seconds=SPEECH_S), engine=engine).start()
+    yield srv
+    srv.stop()

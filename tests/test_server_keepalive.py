@@ -11,18 +11,7 @@ import openai
 import pytest
 import server_kit as kit
 
-from orin.serve.app import ServeConfig, Server
 from orin.serve.metrics import parse_metrics
-
-
-@pytest.fixture(scope="module")
-def server(engine, quantized_dir):
-    # The shared server runs the real warm-up, as under systemd.
-    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=True,
-                             max_speech_seconds=kit.SPEECH_S), engine=engine).start()
-    yield srv
-    srv.stop()
-
 
 # --------------------------------------------------------------------------- keep-alive after every error
 
