@@ -112,10 +112,6 @@ class Report:
     finish_reason: str  # "stop" (end of turn), "length" (max_new_tokens) or "cancelled"
     timeline_s: Mapping[str, float] = field(default_factory=dict)  # seconds from the start to each first output
 
-    @property
-    def swapped_bytes(self) -> int:
-        return sum(s.bytes for s in self.swaps if s.direction == "in")
-
     def to_json(self) -> dict:
         return {
             "text": self.text, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -56,8 +56,8 @@ class Prefilled:
 
 
 class StaticDecoder:
-    """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)`, then `step(token)` (thinker: returns logits [1, vocab]) or `step_embeds(embeds)`
-    (talker: returns (logits, last hidden))."""
+    """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)`, then `step(token)` (thinker:
+    returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
 
     def __init__(self, text_model, head, rope_owner, device: torch.device, compile: bool = False):
         self.model, self.head, self.rope_owner = text_model, head, rope_owner
@@ -83,6 +83,7 @@ class StaticDecoder:
         return sum(runner.captures for runner, _ in self._prefill_graphs.values())
 
     def check_supported(self) -> None:
+        """A ModelError where a layer is one decoder_layer does not compute (Decoders checks each decoder once)."""
         for i, layer in enumerate(self.model.layers):
             if not supported(layer):
                 raise ModelError(f"decoder layer {i} of {type(self.model).__name__} has an MLP orin-omni cannot run "
@@ -171,10 +172,9 @@ class StaticDecoder:
 
     def _prefill_capturable(self, rows: torch.Tensor) -> bool:
         """Whether every MoE layer's prefill runs without a host sync (orin.int4's fused Triton path): else
-        the prefill stays eager (CPU; no Triton; packed shapes the kernel does not take, as the tiny model's)."""
-        from .int4 import Int4Experts
-
-        return all(isinstance(layer.mlp.experts, Int4Experts) and layer.mlp.experts.fused(rows, layer.mlp.gate.top_k)
+        the prefill stays eager (CPU; no Triton; packed shapes the kernel does not take, as the tiny model's).
+        Only asked with graphs enabled, i.e. INT4 experts throughout (_int4_experts_only)."""
+        return all(layer.mlp.experts.fused(rows, layer.mlp.gate.top_k)
                    for layer in self.model.layers if hasattr(layer.mlp, "experts"))
 
     def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...]):
@@ -235,7 +235,7 @@ class StaticDecoder:
 
     def _advance(self):
         if self.length >= self.max_len:
-            raise RuntimeError(f"static KV cache full ({self.max_len} positions); start() with a larger max_len")
+            raise RuntimeError(f"static KV cache full ({self.max_len} positions); prefill() with a larger max_len")
         self.idx.fill_(self.length)
 
     def step(self, token: int) -> torch.Tensor:
@@ -338,7 +338,10 @@ class Decoders:
 
     def _get(self, kind: str, make: Callable[[], object]):
         if kind not in self._made:
-            self._made[kind] = make()
+            dec = make()
+            if isinstance(dec, StaticDecoder):
+                dec.check_supported()
+            self._made[kind] = dec
         return self._made[kind]
 
     @property

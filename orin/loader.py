@@ -131,7 +131,8 @@ class Loader:
 
     def begin_request(self) -> None:
         """Forget the last request's swaps and start its peak from what is allocated now."""
-        self._swaps.clear()
+        with self._lock:  # a prefetch thread may be recording one
+            self._swaps.clear()
         self._memory.reset_peak()
 
     def set_cache_bytes(self, nbytes: int) -> None:

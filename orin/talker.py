@@ -82,7 +82,6 @@ class Talker:
             embeds, talker_input_ids=talker_ids, attention_mask=torch.ones_like(talker_ids), past_key_values=None,
             image_grid_thw=self.inputs.get("image_grid_thw"),
             audio_feature_lengths=fam.sum(dim=1) if fam is not None else None)
-        self.decoder.check_supported()
         res = self.decoder.prefill(embeds[0], position_ids, int(embeds.shape[1]) + req.frame_cap + 2,
                                    graph=keeps_weights)
         self._after_forward(res.logits, res.hidden)

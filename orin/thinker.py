@@ -55,7 +55,6 @@ class Thinker:
         embeds, position_ids, visual = merged
         accept = self.config.talker_config.accept_hidden_layer
         dec = self.decoders.thinker
-        dec.check_supported()
         out = dec.prefill(embeds[0], position_ids, max_len, record=(0, accept), visual=visual, graph=keeps_weights)
         return dec, out.states, out.logits
 
