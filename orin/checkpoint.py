@@ -1,5 +1,5 @@
 """A quantized checkpoint as the loader sees it: which tensors of which file make each component's parameters
-and INT4 modules, under the runtime's (transformers 5.23) names.
+and INT4 modules, under the runtime's names (orin.model's tree, transformers 5.23's names).
 
 Three kinds of directory are read:
 - orin-omni's own (manifest.json, schema 2): the standard GPTQ layout of orin.checkpoint_layout, one shard per
@@ -100,7 +100,7 @@ class Checkpoint:
     @classmethod
     def open(cls, model_dir: str | Path, verify: bool = True) -> Checkpoint:
         from .manifest import read_manifest, verify_files
-        from .modelcfg import load_config
+        from .model_config import load_omni_config
 
         root = Path(model_dir)
         if not root.is_dir():
@@ -116,7 +116,7 @@ class Checkpoint:
             if verify:
                 verify_files(root, manifest)
             files = manifest.safetensors_files()
-        config = load_config(root)
+        config = load_omni_config(root)
         by_component: dict[str, list[Source]] = {}
         quantized: set[str] = set()
         for rel in files:

@@ -140,7 +140,7 @@ def convert_checkpoint(cfg: ConvertConfig, log: Callable[[str], None] = lambda _
     from .checkpoint_layout import quantization_config, segment_shards, write_config_files, write_index
     from .fsutil import atomic_dir
     from .manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, verify_files, write_manifest
-    from .modelcfg import load_config
+    from .model_config import load_omni_config
     from .plan import meta_model
 
     src, out = Path(cfg.model_dir), Path(cfg.out)
@@ -151,7 +151,7 @@ def convert_checkpoint(cfg: ConvertConfig, log: Callable[[str], None] = lambda _
     spec = replace(old.quant_spec(), sym=False)  # 0.1 quantized asymmetrically and recorded no `sym`
     source_config = _read_json(src / "config.json")
     source_config.pop("quantization_config", None)
-    model = meta_model(load_config(src))
+    model = meta_model(load_omni_config(src))
     shards = segment_shards(old.split)
     with atomic_dir(out, "convert.tmp") as tmp:
         segments, linears = {}, []

@@ -59,8 +59,8 @@ class StaticDecoder:
     """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)`, then `step(token)` (thinker:
     returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
 
-    def __init__(self, text_model, head, rope_owner, device: torch.device, compile: bool = False):
-        self.model, self.head, self.rope_owner = text_model, head, rope_owner
+    def __init__(self, text_model, head, device: torch.device, compile: bool = False):
+        self.model, self.head = text_model, head
         self.cfg = text_model.config
         self.device = device
         self.runner = GraphRunner(device, device.type == "cuda" and _int4_experts_only(text_model), compile)
@@ -126,12 +126,13 @@ class StaticDecoder:
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, embeds: torch.Tensor, position_ids: torch.Tensor, max_len: int, record: tuple[int, ...] = (),
-                visual: tuple | None = None, bucket: int | None = None, graph: bool = True) -> Prefilled:
+                visual: tuple | None = None, rope_delta: int = 0, bucket: int | None = None,
+                graph: bool = True) -> Prefilled:
         """The prompt through decoder_layer from position 0, its keys and values written into the static caches
         (no DynamicCache, no copy). embeds [T, H] (multimodal features already merged); position_ids [3, 1, T]
-        (M-RoPE, as the HF model computes them; `rope_owner.rope_deltas` set by that computation); record: the
+        and rope_delta (M-RoPE, orin.positions: generated position n is at T + n + rope_delta); record: the
         HF hidden-state indices to return (0 = the embeddings, i = layer i-1's output before any deepstack);
-        visual: (visual_pos_masks [1, T], deepstack features [n, H] for the first layers) for an image.
+        visual: (the image tokens' rows [n] on the device, deepstack features [n, H] for the first layers).
 
         With graphs enabled (CUDA, and `graph`: the caller's word that the weights stay where they are, so a
         capture is replayed more than once) the prompt is padded to a multiple of `bucket` (PREFILL_BUCKET) and
@@ -149,7 +150,7 @@ class StaticDecoder:
         cos, sin = m.rotary_emb(embeds.unsqueeze(0), position_ids)
         inputs = {"x": embeds, "cos": cos[0], "sin": sin[0]}
         if visual is not None and visual[1]:
-            rows = torch.nonzero(visual[0].reshape(-1)).flatten()
+            rows = visual[0]
             ds = embeds.new_zeros((len(visual[1]), T, embeds.shape[1]))
             for i, feat in enumerate(visual[1]):
                 ds[i].index_copy_(0, rows, feat.to(ds.dtype))
@@ -164,8 +165,7 @@ class StaticDecoder:
             logits, hidden, states = self._prefill_graph(Tb, record, inputs)
         else:
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
-        deltas = getattr(self.rope_owner, "rope_deltas", None)
-        self.delta.fill_(int(deltas.reshape(-1)[0]) if deltas is not None else 0)
+        self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
         return Prefilled(logits, hidden, {i: s[:T].unsqueeze(0) for i, s in states.items()})
@@ -347,13 +347,13 @@ class Decoders:
     @property
     def thinker(self) -> StaticDecoder:
         t = self.model.thinker
-        return self._get("thinker", lambda: StaticDecoder(t.model.language_model, t.lm_head, t.model, self.device,
+        return self._get("thinker", lambda: StaticDecoder(t.model.language_model, t.lm_head, self.device,
                                                           self.compile))
 
     @property
     def talker(self) -> StaticDecoder:
         t = self.model.talker
-        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, t, self.device, self.compile))
+        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, self.device, self.compile))
 
     @property
     def code_predictor(self) -> CodePredictor:

@@ -1,7 +1,7 @@
 """The inference engine: encoders -> thinker prefill and decode -> talker -> code predictor -> code2wav.
 
-The pipeline is driven here rather than through `Qwen3OmniMoeForConditionalGeneration.generate`, because the
-reference waits for the whole text before the talker starts (42 s to the first audio at real dimensions). The
+The pipeline is driven here rather than through transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
+(the tests' oracle, not a dependency), because the reference waits for the whole text before the talker starts (42 s to the first audio at real dimensions). The
 talker needs, at its step s, the thinker's generated token s+1 (or the knowledge that the text ended), so it
 runs one step behind the thinker and code2wav decodes the codec frames in chunks: the first audio packet comes
 after a handful of tokens. Under a memory budget the planner's schedule decides what is resident together;
@@ -237,16 +237,16 @@ class Engine:
         inputs = {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
         encoders = tuple(c for c in ("audio_encoder", "vision_encoder") if c in verdict.needed)
 
-        audio_feats, image_out = None, None
+        audio_feats, image_feats = None, None
         enc_stages = [s for s in stages if s and set(s) <= set(encoders)]
         for i, comps in enumerate(enc_stages):
             self._stage(plan, comps, enc_stages[i + 1] if i + 1 < len(enc_stages) else think_comps)
             with self.meter.stage("encode"):
                 if "audio_encoder" in comps:
-                    audio_feats = self.thinker.encode_audio(inputs)
+                    audio_feats = self.thinker.encode_audio(inputs, prompt, graph=plan.keeps_weights)
                     state.mark("audio_encoded")
                 if "vision_encoder" in comps:
-                    image_out = self.thinker.encode_image(inputs)
+                    image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
                     state.mark("image_encoded")
             self._check(state)
         state.mark("encoded")
@@ -254,9 +254,8 @@ class Engine:
         state.mark("thinker_resident")
 
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
-        ids = inputs["input_ids"]
         with self.meter.stage("thinker_prefill"):
-            merged = self.thinker.merge(inputs, ids, audio_feats, image_out)
+            merged = self.thinker.merge(inputs, prompt, audio_feats, image_feats)
             state.mark("merged")
             decoder, hidden_states, logits = self.thinker.prefill(merged, prompt.length + req.max_new_tokens,
                                                                   plan.keeps_weights)
@@ -271,7 +270,7 @@ class Engine:
         talker, talker_ctx = None, None
         if req.speech:
             accept = self.config.talker_config.accept_hidden_layer
-            talker_ctx = (embeddings, inputs, hidden_states[0], hidden_states[accept])
+            talker_ctx = (embeddings, prompt, hidden_states[0], hidden_states[accept])
         # The talker needs two of the prefill's hidden-state layers; the other layers are dead weight during decode.
         del hidden_states
         vocoder = Vocoder(self.model, self.device, state, lambda: self._ensure_code2wav(plan),
@@ -324,8 +323,8 @@ class Engine:
     def _start_talker(self, state: RequestState, ctx, plan: RequestPlan):
         from .talker import Talker
 
-        embeddings, inputs, thinker_embed, thinker_hidden = ctx
-        talker = Talker(self.model, self.config, self.device, self.decoders, embeddings, state, inputs,
+        embeddings, prompt, thinker_embed, thinker_hidden = ctx
+        talker = Talker(self.model, self.config, self.device, self.decoders, embeddings, state, prompt,
                         thinker_embed, thinker_hidden, on_cache=self.loader.set_cache_bytes)
         with self.meter.stage("talker"):
             talker.prefill(plan.keeps_weights)

@@ -1,5 +1,5 @@
 """Tensor names on disk (the Hugging Face hub's, which vLLM, transformers and GPTQ tools read) and in memory
-(transformers 5.23's module tree, which the runtime's skeleton uses). Pure string work: no torch.
+(orin.model's tree, whose names are transformers 5.23's). Pure string work: no torch.
 
 The hub names Qwen3-Omni's thinker `thinker.model.layers.*`, `thinker.visual.*` and `thinker.audio_tower.*`;
 transformers 5.23 renames them at load to `thinker.model.language_model.*`, `thinker.model.visual.*` and

@@ -86,16 +86,15 @@ class Loader:
     def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  budget: int | None = None, estimates: dict[str, int] | None = None,
                  on_swap: Callable[[Swap], None] | None = None):
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-
         from .int4 import convert_for_runtime
+        from .model import OmniModel
 
         self.ckpt = checkpoint
         self.device = device
         self.dtype = dtype
         self.budget = budget
         with params_on_meta():
-            model = Qwen3OmniMoeForConditionalGeneration(checkpoint.config)
+            model = OmniModel(checkpoint.config)
         model.eval()
         self.shells = convert_for_runtime(model, checkpoint.quantized_modules)
         for buf_owner in model.modules():

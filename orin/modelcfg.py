@@ -1,4 +1,6 @@
-"""Reading a Qwen3-Omni config: validation with clear errors, and the fix-ups transformers 5.23 needs."""
+"""Reading a Qwen3-Omni config.json: the file itself, validated with clear errors (both sides), and, for the
+workstation side only (quantize, the benchmark's HF reference, the tests' oracle), transformers 5.23's config
+object with the fix-ups it needs. The device side reads the same dict into orin.model_config."""
 
 from __future__ import annotations
 

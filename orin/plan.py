@@ -148,12 +148,14 @@ def model_dims(config) -> dict:
 
 
 def meta_model(config):
-    """The model skeleton on the meta device: shapes without a byte of weights."""
+    """The model tree (orin.model, from an orin.model_config.OmniConfig) on the meta device: shapes without a
+    byte of weights."""
     import torch
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from .model import OmniModel
 
     with torch.device("meta"):
-        return Qwen3OmniMoeForConditionalGeneration(config)
+        return OmniModel(config)
 
 
 def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dtype_bytes: int = 2) -> ModelSizes:
@@ -416,13 +418,13 @@ def plan_request(sizes: ModelSizes, req: Request, budget: int, dtype_bytes: int 
 
 def make_plan(cfg: PlanConfig) -> PlanResult:
     from .errors import UsageError
-    from .modelcfg import load_config
+    from .model_config import load_omni_config
 
     if cfg.group_size not in (32, 64, 128, 256):
         raise UsageError(f"group size {cfg.group_size} is not supported: use 32, 64, 128 or 256 "
                          "(the sizes torch's INT4 kernels take)")
     segments = C.parse_segments(cfg.segments)
-    config = load_config(cfg.model)
+    config = load_omni_config(cfg.model)
     spec = QuantSpec(group_size=cfg.group_size, quantize_audio_encoder=cfg.quantize_audio_encoder,
                      quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav,
                      quantize_vision=cfg.quantize_vision)

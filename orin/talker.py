@@ -1,6 +1,6 @@
 """The talker and its code predictor for one request, one codec frame per step, fed the thinker's text step by
-step. Input construction follows Qwen3OmniMoeForConditionalGeneration.generate for a single sequence; the
-decoding is orin.decode's."""
+step. Input construction follows transformers' Qwen3OmniMoeForConditionalGeneration.generate for a single
+sequence (the HF model is the tests' oracle); the decoding is orin.decode's."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ CODE_TOP_K, CODE_TOP_P = 50, 0.8
 
 class Talker:
     def __init__(self, model, config, device, decoders: Decoders, text_embeddings: Callable, state: RequestState,
-                 prompt_inputs: dict, thinker_embed, thinker_hidden, on_cache: Callable[[int], None]):
+                 prompt, thinker_embed, thinker_hidden, on_cache: Callable[[int], None]):
+        """`prompt`: the request's orin.prompt.Prompt; thinker_embed / thinker_hidden: the thinker prefill's
+        input embeddings and its `accept_hidden_layer` states [1, T, H]."""
         self.model, self.config, self.device = model, config, device
         self.decoders = decoders
         self.text_embeddings = text_embeddings
         self.state = state
-        self.ids = prompt_inputs["input_ids"]
-        self.inputs = prompt_inputs
+        self.prompt = prompt
         self.thinker_embed = thinker_embed
         self.thinker_hidden = thinker_hidden
         self.on_cache = on_cache
@@ -42,48 +43,73 @@ class Talker:
 
         return self.text_embeddings(torch.tensor([[token]], device=self.device))
 
+    def _user_part(self, host_ids):
+        """The user turns' talker inputs and their ids: multimodal rows from the thinker's hidden states
+        (hidden_projection), text rows from its input embeddings (text_projection), as
+        Qwen3OmniMoeForConditionalGeneration._get_talker_user_parts lays them out; the row sets are found on
+        the host (the prompt's ids), so nothing here waits on the device."""
+        import torch
+
+        cfg, th = self.config, self.config.thinker_config
+        t = self.model.talker
+        seq_len = host_ids.shape[0]
+        mm = (host_ids == th.audio_token_id) | (host_ids == th.image_token_id) | (host_ids == th.video_token_id)
+        positions = torch.arange(seq_len)
+        im_start = torch.where(host_ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
+        prev = torch.cummax(im_start, dim=0).values.clamp_min(0)
+        roles = host_ids[(prev + 1).clamp_max(seq_len - 1)]
+        user_rows = torch.nonzero(roles == cfg.user_token_id).flatten()
+        full = torch.empty((1, seq_len, cfg.talker_config.text_config.hidden_size), device=self.device,
+                           dtype=t.codec_head.weight.dtype)
+        mm_rows = torch.nonzero(mm).flatten().to(self.device)
+        text_rows = torch.nonzero(~mm).flatten().to(self.device)
+        if mm_rows.numel():
+            full.index_copy_(1, mm_rows, t.hidden_projection(self.thinker_hidden.index_select(1, mm_rows)))
+        full.index_copy_(1, text_rows, t.text_projection(self.thinker_embed.index_select(1, text_rows)))
+        return full.index_select(1, user_rows.to(self.device)), host_ids[user_rows]
+
+    def _assistant_part(self, a_start: int, speaker_id: int, bos, pad):
+        """The assistant turn's opening talker inputs (its first three text rows, four pads, tts_bos and the
+        first generated token, over the codec's think/speaker/bos specials) and their ids, as
+        _get_talker_assistant_parts builds them."""
+        import torch
+
+        cfg, tk = self.config, self.config.talker_config
+        t = self.model.talker
+        first = self._thinker_embed_of(self.state.tokens[0])
+        embed_all = torch.cat([self.thinker_embed[:, a_start:], first], dim=1)
+        hidden = self._proj(embed_all)
+        text = torch.cat((hidden[:, :3], pad.expand(1, 4, -1), bos, hidden[:, 3:4]), dim=1)
+        specials = torch.tensor([[tk.codec_nothink_id, tk.codec_think_bos_id, tk.codec_think_eos_id, speaker_id,
+                                  tk.codec_pad_id, tk.codec_bos_id]], device=self.device)
+        codec = torch.cat((torch.zeros((1, 3, text.shape[-1]), device=self.device, dtype=text.dtype),
+                           t.model.codec_embedding(specials)), dim=1)
+        return text + codec, torch.full((text.shape[1],), cfg.tts_pad_token_id, dtype=torch.long)
+
     def prefill(self, keeps_weights: bool) -> None:
         import torch
 
-        model, cfg = self.model, self.config
-        ids = self.ids
-        tk = cfg.talker_config
-        req = self.state.req
+        from .positions import mrope_positions, talker_spec
+
+        cfg, req = self.config, self.state.req
         self.gen = torch.Generator(device="cpu").manual_seed(req.seed + 1)
-        seq_len = ids.shape[1]
-        th = cfg.thinker_config
-        mm_mask = (ids == th.audio_token_id) | (ids == th.image_token_id) | (ids == th.video_token_id)
-        positions = torch.arange(seq_len, device=ids.device).unsqueeze(0)
-        im_start = torch.where(ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
-        prev = torch.cummax(im_start, dim=-1).values.clamp_min(0)
-        roles = ids.gather(1, (prev + 1).clamp_max(seq_len - 1))
-        user_idx = torch.nonzero((roles == cfg.user_token_id)[0]).flatten()
-        full_user = model._get_talker_user_parts(0, seq_len, mm_mask, self.thinker_hidden, self.thinker_embed)
-        user_embeds = full_user[:, user_idx]
-        user_ids = ids[:, user_idx]
-        starts = torch.nonzero((ids[0, :-1] == cfg.im_start_token_id) & (ids[0, 1:] == cfg.assistant_token_id))
+        host_ids = self.prompt.input_ids.reshape(-1).cpu()
+        user_embeds, user_ids = self._user_part(host_ids)
+        starts = torch.nonzero((host_ids[:-1] == cfg.im_start_token_id) & (host_ids[1:] == cfg.assistant_token_id))
         if len(starts) == 0:
             raise ModelError("the prompt has no assistant turn; the chat template must add the generation prompt")
-        a_start = int(starts.flatten()[-1])
         specials = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]],
-                                device=ids.device)
+                                device=self.device)
         bos, eos, pad = self._proj(self.text_embeddings(specials)).chunk(3, dim=1)
         self.tts_eos, self.tts_pad = eos, pad
-        first = self._thinker_embed_of(self.state.tokens[0])
-        embed_all = torch.cat([self.thinker_embed, first], dim=1)
-        speaker_id = tk.speaker_id[req.voice.lower()]
-        a_embeds, a_ids, _ = model._get_talker_assistant_parts(a_start, seq_len + 1, speaker_id, embed_all,
-                                                               pad, bos, eos)
+        speaker_id = cfg.talker_config.speaker_id[req.voice.lower()]
+        a_embeds, a_ids = self._assistant_part(int(starts.flatten()[-1]), speaker_id, bos, pad)
         embeds = torch.cat([user_embeds, a_embeds], dim=1)
-        talker_ids = torch.cat([user_ids, a_ids], dim=1)
-        fam = self.inputs.get("feature_attention_mask")
-        model.talker.rope_deltas = None
-        position_ids = model.talker.compute_3d_position_ids(
-            embeds, talker_input_ids=talker_ids, attention_mask=torch.ones_like(talker_ids), past_key_values=None,
-            image_grid_thw=self.inputs.get("image_grid_thw"),
-            audio_feature_lengths=fam.sum(dim=1) if fam is not None else None)
-        res = self.decoder.prefill(embeds[0], position_ids, int(embeds.shape[1]) + req.frame_cap + 2,
-                                   graph=keeps_weights)
+        positions, delta = mrope_positions(torch.cat([user_ids, a_ids]), talker_spec(cfg.raw),
+                                           image_grid_thw=self.prompt.image_grids or None,
+                                           audio_lengths=self.prompt.audio_lengths or None)
+        res = self.decoder.prefill(embeds[0], positions.to(self.device), int(embeds.shape[1]) + req.frame_cap + 2,
+                                   rope_delta=int(delta.reshape(-1)[0]), graph=keeps_weights)
         self._after_forward(res.logits, res.hidden)
 
     def _after_forward(self, logits, hidden) -> None:
@@ -137,7 +163,7 @@ class Talker:
         import torch
 
         code = torch.tensor([[self.next_code]], device=self.device)
-        last_id_hidden = self.model.talker.get_input_embeddings()(code)
+        last_id_hidden = self.model.talker.model.codec_embedding(code)
         choose = self._sample_code if self.state.req.talker_temperature > 0 else None
         codes, embeds = self.decoders.code_predictor.run(self.past_hidden, last_id_hidden, choose)
         frame = torch.cat((code[0], codes))

@@ -11,51 +11,68 @@ from .errors import ModelError
 
 class Thinker:
     def __init__(self, model, config, device, dtype, decoders: Decoders):
+        from .encoder_graphs import EncoderGraphs
+        from .positions import thinker_spec
+
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.decoders = decoders
+        self.spec = thinker_spec(config.raw)
+        self.encoder_graphs = EncoderGraphs(device)
 
-    def encode_audio(self, inputs: dict):
-        return self.model.thinker.model.get_audio_features(
-            inputs["input_features"].to(self.dtype), inputs["feature_attention_mask"], return_dict=True,
-        ).last_hidden_state
+    def encode_audio(self, inputs: dict, prompt, graph: bool = False):
+        """The audio encoder's tokens [n, H] of every audio of the prompt, in order; the feature lengths come
+        from the host (prompt.audio_lengths), so planning the encoder costs no device sync. `graph`: replayed
+        from a CUDA graph per input shape (orin.encoder_graphs; the caller's word that the weights stay put)."""
+        tower = self.model.thinker.model.audio_tower
+        feats, lengths = inputs["input_features"], prompt.audio_lengths
+        batch = feats.shape[-1] if feats.dim() == 3 else None
+        plan = tower.plan(lengths, batch, feats.device)
+        return self.encoder_graphs.run(("audio", tuple(feats.shape), feats.dtype, lengths), tower, (feats,),
+                                       lambda f: tower(f, lengths), graph, keep=plan)
 
-    def encode_image(self, inputs: dict):
-        return self.model.thinker.model.get_image_features(
-            inputs["pixel_values"].to(self.dtype), inputs["image_grid_thw"], return_dict=True)
+    def encode_image(self, inputs: dict, prompt, graph: bool = False):
+        """orin.vision_encoder.VisionFeatures of every image of the prompt, from the host-side grids."""
+        visual = self.model.thinker.model.visual
+        pixels, grids = inputs["pixel_values"].to(self.dtype), prompt.image_grids
+        plan = visual.plan(grids, pixels.device)
+        return self.encoder_graphs.run(("image", tuple(pixels.shape), grids), visual, (pixels,),
+                                       lambda p: visual(p, plan), graph, keep=plan)
 
-    def merge(self, inputs: dict, ids, audio_feats, image_out):
-        """The thinker's input embeddings with the audio and image features merged, its M-RoPE positions
-        (setting the rope deltas decoding continues from) and the image's deepstack features, as
-        Qwen3OmniMoeThinkerModel.forward builds them before its language model."""
+    def merge(self, inputs: dict, prompt, audio_feats, image_feats):
+        """The thinker's input embeddings with the audio and image features in their placeholders' rows, its
+        M-RoPE positions and rope delta (orin.positions, on the host from the prompt's ids, grids and audio
+        lengths), and the image's deepstack rows and features."""
         import torch
 
-        tm = self.model.thinker.model
-        embeds = tm.get_input_embeddings()(ids)
+        from .positions import mrope_positions
+
+        th = self.config.thinker_config
+        ids = inputs["input_ids"]
+        embeds = self.model.thinker.model.language_model.embed_tokens(ids)
+        host_ids = prompt.input_ids.reshape(-1)
         if audio_feats is not None:
-            _, _, audio_mask = tm.get_placeholder_mask(ids, inputs_embeds=embeds)
-            embeds = embeds.masked_scatter(audio_mask, audio_feats.to(embeds.dtype))
+            embeds = _scatter_rows(embeds, host_ids == th.audio_token_id, audio_feats, "audio")
         visual = None
-        if image_out is not None:
-            image_embeds = torch.cat(image_out.pooler_output, dim=0).to(embeds.dtype)
-            image_mask, _, _ = tm.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=image_embeds)
-            embeds = embeds.masked_scatter(image_mask, image_embeds)
-            visual = (image_mask[..., 0], [torch.cat(f, dim=0) for f in image_out.deepstack_features])
-        fam = inputs.get("feature_attention_mask")
-        tm.rope_deltas = None
-        position_ids = tm.compute_3d_position_ids(
-            input_ids=ids, image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=None, inputs_embeds=embeds,
-            attention_mask=inputs["attention_mask"], past_key_values=None,
-            audio_feature_lengths=fam.sum(dim=1) if fam is not None else None)
-        return embeds, position_ids, visual
+        if image_feats is not None:
+            image_rows = host_ids == th.image_token_id
+            embeds = _scatter_rows(embeds, image_rows, image_feats.embeds, "image")
+            rows = torch.nonzero(image_rows).flatten().to(self.device)
+            visual = (rows, list(image_feats.deepstack))
+        positions, delta = mrope_positions(prompt.input_ids, self.spec,
+                                           image_grid_thw=prompt.image_grids or None,
+                                           audio_lengths=prompt.audio_lengths or None)
+        return embeds, positions.to(self.device), int(delta.reshape(-1)[0]), visual
 
     def prefill(self, merged, max_len: int, keeps_weights: bool):
         """The merged prompt through the thinker: (its decoder, holding the prompt's KV cache; the hidden states
         {HF index: [1, T, H]} the talker reads; the last position's logits). The two talker layers are always
         recorded (two [T, H] copies), so text-only and speech requests share a prefill graph."""
-        embeds, position_ids, visual = merged
-        accept = self.config.talker_config.accept_hidden_layer
+        embeds, position_ids, delta, visual = merged
+        talker = self.config.talker_config
+        record = (0, talker.accept_hidden_layer) if talker is not None else ()
         dec = self.decoders.thinker
-        out = dec.prefill(embeds[0], position_ids, max_len, record=(0, accept), visual=visual, graph=keeps_weights)
+        out = dec.prefill(embeds[0], position_ids, max_len, record=record, visual=visual, rope_delta=delta,
+                          graph=keeps_weights)
         return dec, out.states, out.logits
 
     @staticmethod
@@ -72,6 +89,17 @@ class Thinker:
         return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+def _scatter_rows(embeds, host_mask, features, kind: str):
+    """`features` [n, H] into the rows of embeds [1, T, H] where `host_mask` [T] (a CPU tensor) is set."""
+    import torch
+
+    rows = torch.nonzero(host_mask).flatten()
+    if rows.numel() != features.shape[0]:
+        raise ModelError(f"the prompt has {rows.numel()} {kind} placeholder tokens but the {kind} encoder gave "
+                         f"{features.shape[0]} features; the processor and the model config disagree")
+    return embeds.index_copy(1, rows.to(embeds.device), features.to(embeds.dtype).unsqueeze(0))
+
+
 class TextEmbeddings:
     """The thinker's input embeddings of token ids, for the talker: from the table while the thinker is resident;
     when speech follows the text under a budget, the talker runs after the thinker (and its table) is swapped
@@ -82,12 +110,15 @@ class TextEmbeddings:
         self.is_resident = is_resident
         self._kept: dict = {}
 
+    def _table(self):
+        return self.model.thinker.model.language_model.embed_tokens
+
     def remember(self, tokens) -> None:
         import torch
 
         c = self.config
         ids = sorted(set(tokens) | {c.tts_bos_token_id, c.tts_eos_token_id, c.tts_pad_token_id})
-        table = self.model.thinker.model.get_input_embeddings()(torch.tensor([ids], device=self.device))
+        table = self._table()(torch.tensor([ids], device=self.device))
         self._kept = {t: table[:, i:i + 1] for i, t in enumerate(ids)}
 
     def __call__(self, ids):
@@ -95,7 +126,7 @@ class TextEmbeddings:
         import torch
 
         if self.is_resident("thinker_text"):
-            return self.model.thinker.model.get_input_embeddings()(ids)
+            return self._table()(ids)
         try:
             return torch.cat([self._kept[int(t)] for t in ids.reshape(-1).tolist()], dim=1)
         except KeyError as exc:

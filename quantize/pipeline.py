@@ -284,9 +284,10 @@ def _validate(cfg: QuantConfig) -> dict:
 
     shared_file_names(model_dir)
     from orin.layout import find_targets
+    from orin.model_config import load_omni_config
     from orin.plan import meta_model
 
-    skeleton = meta_model(config)
+    skeleton = meta_model(load_omni_config(model_dir))
     targets = find_targets(skeleton, cfg.spec)
     check_group_size(targets, cfg.group_size, cfg.bits)
     device = pick_device(cfg.device)

@@ -50,3 +50,32 @@ def hf_prompt_inputs(hf_processor, messages, device: str = "cpu") -> dict:
     extra = {"device": device} if conv.audios and device != "cpu" else {}
     return dict(hf_processor(text=[text], images=conv.images or None, audio=conv.audios or None,
                              return_tensors="pt", padding=True, **extra))
+
+
+def hf_twin(model, model_dir):
+    """transformers' Qwen3OmniMoeForConditionalGeneration holding the very tensors of orin-omni's loaded `model`
+    (orin.model.OmniModel, the same parameter names): parameters shared, INT4 shells shared as modules, HF's own
+    buffers (rotary tables) moved to the model's device. The oracle then runs on exactly the weights the engine
+    runs. Build it after the components it will touch are resident: a later swap gives the engine new tensors."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from orin.int4 import Int4Experts, Int4Linear
+    from orin.loader import params_on_meta
+    from orin.modelcfg import load_config
+
+    with params_on_meta():
+        hf = Qwen3OmniMoeForConditionalGeneration(load_config(model_dir))
+    hf.eval()
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    for path, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int4Experts)):
+            parent, _, child = path.rpartition(".")
+            setattr(hf.get_submodule(parent), child, module)
+    for name, param in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        hf.get_submodule(owner)._parameters[attr] = param
+    for owner in hf.modules():
+        for name, buf in list(owner._buffers.items()):
+            if buf is not None and not buf.is_meta:
+                owner._buffers[name] = buf.to(device)
+    return hf

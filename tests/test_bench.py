@@ -152,9 +152,9 @@ def test_active_bytes_at_real_dimensions(real_config, tmp_path):
     import shutil
 
     from orin.devtools.bench_projection import active_bytes, orin_projection
-    from orin.modelcfg import load_config
+    from orin.model_config import load_omni_config
 
-    act = active_bytes(load_config(real_config))
+    act = active_bytes(load_omni_config(real_config))
     assert 2.0e9 < act["thinker_text"] < 2.2e9
     assert 1.2e8 < act["talker"] < 2.5e8
     assert act["code_predictor_per_frame"] > act["thinker_text"]

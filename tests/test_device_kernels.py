@@ -15,6 +15,7 @@ synthetic one at the real dimensions, `orin-omni bench --synthetic` / orin.devto
 from __future__ import annotations
 
 import pytest
+from module_oracle import hf_twin
 
 pytestmark = pytest.mark.device
 
@@ -69,7 +70,7 @@ def test_fused_decode_moe_matches_the_experts_module(cuda_engine):
     with torch.inference_mode():
         for _ in range(4):
             h = torch.randn((1, H), generator=gen, device="cuda").to(torch.bfloat16)
-            _, w, idx = mlp.gate(h)
+            w, idx = mlp.gate(h)
             errs.append(_rel(fused_moe_int4(mlp.experts, h, idx, w), mlp.experts(h, idx, w)))
     assert max(errs) < MOE_DECODE_TOL, errs
 
@@ -85,7 +86,8 @@ def test_thinker_decoder_matches_the_hf_prefill_and_steps(cuda_engine, compile, 
     from orin.decode import StaticDecoder
 
     engine = cuda_engine
-    thinker = engine.model.thinker
+    own = engine.model.thinker
+    thinker = hf_twin(engine.model, engine.cfg.model_dir).thinker
     lm = thinker.model.language_model
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 256, (1, 61), generator=gen, device="cuda")  # byte tokens: no media placeholders
@@ -95,8 +97,9 @@ def test_thinker_decoder_matches_the_hf_prefill_and_steps(cuda_engine, compile, 
         thinker.model.rope_deltas = None
         ref = thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
         ref_prefill = thinker.lm_head(ref.last_hidden_state[:, -1])
-        embeds, positions, _ = engine.thinker.merge({"attention_mask": torch.ones_like(ids)}, ids, None, None)
-        dec = StaticDecoder(lm, thinker.lm_head, thinker.model, torch.device("cuda"), compile)
+        embeds = own.model.language_model.embed_tokens(ids)
+        positions = torch.arange(ids.shape[1], device="cuda").view(1, 1, -1).expand(3, 1, -1)
+        dec = StaticDecoder(own.model.language_model, own.lm_head, torch.device("cuda"), compile)
         try:
             pre = dec.prefill(embeds[0], positions, ids.shape[1] + len(forced) + 24, graph=graph)
             assert _rel(pre.logits, ref_prefill) < PREFILL_TOL
@@ -119,12 +122,12 @@ def test_code_predictor_matches_hf_generate(cuda_engine, compile):
     from orin.decode import CodePredictor
 
     model = cuda_engine.model
-    cp = model.talker.code_predictor
+    cp = hf_twin(model, cuda_engine.cfg.model_dir).talker.code_predictor
     H = model.config.talker_config.text_config.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(3)
     with torch.inference_mode():
         past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
-        first = model.talker.get_input_embeddings()(torch.tensor([[5]], device="cuda"))
+        first = model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
         ref = cp.generate(inputs_embeds=torch.cat((past, first), dim=1), max_new_tokens=len(cp.lm_head),
                           output_hidden_states=True, return_dict_in_generate=True, do_sample=False)
         mid = [h[0] for h in ref.hidden_states[1:]]
@@ -151,7 +154,7 @@ def test_prefill_moe_routes_match_tinygemm_per_expert(cuda_engine, route):
     gen = torch.Generator(device="cuda").manual_seed(2)
     with torch.inference_mode():
         h = torch.randn((PREFILL_ROWS, experts.hidden_dim), generator=gen, device="cuda").to(torch.bfloat16)
-        _, w, idx = layer.mlp.gate(h)
+        w, idx = layer.mlp.gate(h)
         picked = experts.route_for(h, idx.shape[1])
         assert picked != "tinygemm"
         if route == "triton" and picked != "triton":
@@ -174,3 +177,35 @@ def test_dense_projection_matches_tinygemm(cuda_engine):
         assert q.route_for(PREFILL_ROWS) == "dense"
         got, ref = q(h, route="dense"), q(h, route="tinygemm")
     assert _rel(got, ref) < LINEAR_ROUTE_TOL
+
+
+def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
+    """The audio and vision encoders replayed from their CUDA graphs (orin.encoder_graphs) give the eager
+    outputs, on the first replay and the next; a shape gets one capture; a swap of the encoder's weights
+    (evict, load) gives the same output (a re-capture where the weights landed elsewhere)."""
+    import torch
+
+    from orin.contract import GenerationRequest
+    from orin.media import synth_image, synth_speechlike
+
+    engine = cuda_engine
+    parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(2.0)},
+             {"type": "text", "text": "hi"}]
+    prompt = engine.prepare(GenerationRequest(messages=({"role": "user", "content": parts},)))
+    x = {k: (v.to("cuda") if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
+    graphs = engine.thinker.encoder_graphs
+    with torch.inference_mode():
+        for comp in ("audio_encoder", "vision_encoder"):
+            engine.loader.ensure(comp)
+        eager_a = engine.thinker.encode_audio(x, prompt)
+        eager_v = engine.thinker.encode_image(x, prompt)
+        before = graphs.captures
+        for _ in range(2):
+            assert torch.equal(engine.thinker.encode_audio(x, prompt, graph=True), eager_a)
+            v = engine.thinker.encode_image(x, prompt, graph=True)
+            assert torch.equal(v.embeds, eager_v.embeds)
+            assert all(torch.equal(a, b) for a, b in zip(v.deepstack, eager_v.deepstack, strict=True))
+        assert graphs.captures == before + 2
+        engine.loader.evict("audio_encoder")
+        engine.loader.ensure("audio_encoder")
+        assert torch.equal(engine.thinker.encode_audio(x, prompt, graph=True), eager_a)

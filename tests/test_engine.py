@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from module_oracle import hf_twin
 
 from orin.cli import cli
 from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
@@ -97,8 +98,9 @@ def test_engine_matches_hf_generate(engine):
     # Every component is resident now; run the reference pipeline on the very same modules.
     prompt = engine.prepare(req)
     inputs = {k: (v.to(engine.dtype) if torch.is_floating_point(v) else v) for k, v in prompt.inputs.items()}
+    model = hf_twin(engine.model, engine.cfg.model_dir)
     with torch.inference_mode():
-        seq, wav = engine.model.generate(
+        seq, wav = model.generate(
             **inputs, return_audio=True, speaker="ethan", thinker_max_new_tokens=8, thinker_do_sample=False,
             talker_do_sample=False, talker_max_new_tokens=report.talker_frames + 1,
             thinker_eos_token_id=engine.config.im_end_token_id,
@@ -282,3 +284,27 @@ def test_prefetch_counts_the_prefetches_it_has_queued(quantized_dir):
         assert "code2wav" not in eng.loader._pending
     finally:
         eng.close()
+
+
+def test_engine_runs_with_transformers_unimportable(quantized_dir):
+    """The whole request path (own processor, encoders, positions, decoders, code2wav) in a process where
+    importing transformers fails, as on a JetPack 6 board."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "sys.modules['transformers'] = None  # any import of it raises ImportError\n"
+        "from orin.engine import Engine, EngineConfig\n"
+        "from orin.contract import GenerationRequest\n"
+        "from orin.media import synth_image, synth_speechlike\n"
+        f"e = Engine(EngineConfig(model_dir={str(quantized_dir)!r}, device='cpu', power_backend='none'))\n"
+        "parts = [{'type': 'image', 'image': synth_image(64)}, {'type': 'audio', 'audio': synth_speechlike(0.5)},\n"
+        "         {'type': 'text', 'text': 'hi'}]\n"
+        "text, audio, report = e.generate(GenerationRequest(messages=({'role': 'user', 'content': parts},),\n"
+        "                                 max_new_tokens=3, max_audio_frames=4, ignore_eos=True))\n"
+        "print(report.completion_tokens, report.talker_frames, audio.size > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["3", "4", "True"], out.stdout

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from module_oracle import hf_twin
 
 # --------------------------------------------------------------------------------------------- transformers
 
@@ -90,9 +91,9 @@ def engine_logits(engine):
     engine.loader.ensure("thinker_text")
     ids, mask = prompt.input_ids, prompt.inputs["attention_mask"]
     with torch.inference_mode():
-        merged = engine.thinker.merge(prompt.inputs, ids, None, None)
+        merged = engine.thinker.merge(prompt.inputs, prompt, None, None)
         _, _, last = engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)
-        every = engine.model.thinker(input_ids=ids, attention_mask=mask).logits
+        every = hf_twin(engine.model, engine.cfg.model_dir).thinker(input_ids=ids, attention_mask=mask).logits
     return {"ids": ids, "mask": mask, "last": last.float().reshape(-1), "every": every.float()}
 
 

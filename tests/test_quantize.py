@@ -28,10 +28,10 @@ SPEECH_SHORT = {"reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 4, "
 
 
 def _targets(model_dir, spec: QuantSpec | None = None):
-    from orin.modelcfg import load_config
+    from orin.model_config import load_omni_config
     from orin.plan import meta_model
 
-    return find_targets(meta_model(load_config(model_dir)), spec or QuantSpec())
+    return find_targets(meta_model(load_omni_config(model_dir)), spec or QuantSpec())
 
 
 def _keys(path):

@@ -63,10 +63,13 @@ def test_gptq_beats_rtn_on_correlated_inputs_and_stores_odd_widths():
 def test_tiny_model_layout_matches_the_adapters(tiny_model_dir):
     """Every quantize target of every component (all options on) sits in a known stage; fused experts have the
     concatenated, untransposed, bias-free layout; each stack's first layer is where the adapters look."""
-    from orin.modelcfg import load_config
-    from orin.plan import meta_model
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    model = meta_model(load_config(tiny_model_dir))
+    from orin.modelcfg import load_config
+
+    with torch.device("meta"):  # quantize runs transformers' modules: the adapters are checked against them
+        model = Qwen3OmniMoeForConditionalGeneration(load_config(tiny_model_dir))
     spec = QuantSpec(quantize_audio_encoder=True, quantize_code_predictor=True, quantize_code2wav=True,
                      quantize_lm_head=True)
     targets = find_targets(model, spec)
@@ -111,10 +114,10 @@ def test_expert_slices_are_views_into_the_fused_tensors():
 
 
 def test_group_size_checks(tiny_model_dir):
-    from orin.modelcfg import load_config
+    from orin.model_config import load_omni_config
     from orin.plan import meta_model
 
-    targets = find_targets(meta_model(load_config(tiny_model_dir)), QuantSpec())
+    targets = find_targets(meta_model(load_omni_config(tiny_model_dir)), QuantSpec())
     A.check_group_size(targets, 128, 4)  # vision linear_fc2 (200 wide) is the designed padded exception
     A.check_group_size(targets, 32, 4)
     with pytest.raises(UsageError, match="--group-size 100 is not supported"):
@@ -129,10 +132,13 @@ def test_real_model_layout_matches_the_adapters(real_config):
     """The real Qwen3-Omni-30B-A3B config on the meta device: every target of every component has a stage, the
     fused experts have the expected layout, and the group-size rules accept 128 and refuse 256 (the talker's
     expert down_proj is 384 wide)."""
-    from orin.modelcfg import load_config
-    from orin.plan import meta_model
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    model = meta_model(load_config(real_config))
+    from orin.modelcfg import load_config
+
+    with torch.device("meta"):
+        model = Qwen3OmniMoeForConditionalGeneration(load_config(real_config))
     spec = QuantSpec(quantize_audio_encoder=True, quantize_code_predictor=True, quantize_code2wav=True)
     targets = find_targets(model, spec)
     by_stack, tail = A.group_targets(targets)

@@ -165,7 +165,7 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
                 kernels[f"decode_{name}"] = _attempt(f"decode_{name}", lambda e=engine: decode_timings(e))
                 if i == 0:  # the routes and the encoders do not depend on the compile setting
                     kernels["prefill"] = _attempt("prefill", lambda e=engine: prefill_timings(
-                        e, prompt_inputs=e.prepare(bench_request(cfg, inputs)).inputs))
+                        e, prompt=e.prepare(bench_request(cfg, inputs))))
                 record("kernel_timings", kernels)
                 if cfg.profile and i == len(cfg.compile) - 1:
                     record("profile", {name: _attempt("profile", lambda e=engine: profile_request(e, cfg, inputs))})

@@ -78,8 +78,9 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
         thinker = model.thinker
         lm = thinker.model.language_model
         ids = _random_ids(gen, lm.config.vocab_size, prefill_rows, dev)
-        embeds, positions, _ = engine.thinker.merge({"attention_mask": torch.ones_like(ids)}, ids, None, None)
-        dec = StaticDecoder(lm, thinker.lm_head, thinker.model, dev, compile)
+        positions = torch.arange(prefill_rows, device=dev).view(1, 1, -1).expand(3, 1, -1)
+        embeds = lm.embed_tokens(ids)
+        dec = StaticDecoder(lm, thinker.lm_head, dev, compile)
         try:
             # eager: the layer function launched from the host; graph: replayed from the bucket's CUDA graph
             for name, graph in (("eager", False), ("graph", True)):
@@ -94,28 +95,21 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
         talker = model.talker
         H = model.config.talker_config.text_config.hidden_size
         past = torch.randn((1, 1, H), generator=gen, device=dev).to(engine.dtype)
-        first = talker.get_input_embeddings()(torch.tensor([[5]], device=dev))
+        first = talker.model.codec_embedding(torch.tensor([[5]], device=dev))
         predictor = CodePredictor(model, dev, compile)
         try:
             out["code_predictor_frame"] = profile_steps(lambda: predictor.run(past, first), 8)
             out["code_predictor_compile_error"] = predictor.runner.compile_error
         finally:
             predictor.release()
-        cp = talker.code_predictor
-
-        def hf_frame():
-            return cp.generate(inputs_embeds=torch.cat((past, first), dim=1), max_new_tokens=len(cp.lm_head),
-                               output_hidden_states=True, return_dict_in_generate=True, do_sample=False)
-
-        out["code_predictor_hf_generate_ms"], _ = timed_ms(hf_frame, 3)
     return out
 
 
-def prefill_timings(engine, rows: int = 467, prompt_inputs: dict | None = None) -> dict:
+def prefill_timings(engine, rows: int = 467, prompt=None) -> dict:
     """The prefill's INT4 routes on one thinker MoE layer of the loaded model over `rows` random rows: its
     experts on the route the module picks for that many rows against tinygemm per expert (the few-rows route),
-    its q_proj dense (dequantize + GEMM) against tinygemm; with `prompt_inputs` (a prepared request's tensors,
-    orin.prompt.Prompt.inputs) the audio and vision encoders as the engine calls them, each call synchronised."""
+    its q_proj dense (dequantize + GEMM) against tinygemm; with `prompt` (a prepared request, orin.prompt.Prompt)
+    the audio and vision encoders as the engine calls them, each call synchronised."""
     import torch
 
     from ..int4 import Int4Experts, Int4Linear, kernel_errors
@@ -127,7 +121,7 @@ def prefill_timings(engine, rows: int = 467, prompt_inputs: dict | None = None) 
     gen = torch.Generator(device=dev).manual_seed(2)
     with torch.inference_mode():
         h = torch.randn((rows, lm.config.hidden_size), generator=gen, device=dev).to(engine.dtype)
-        _, w, idx = layer.mlp.gate(h)
+        w, idx = layer.mlp.gate(h)
         experts, q = layer.mlp.experts, layer.self_attn.q_proj
         if isinstance(experts, Int4Experts):
             out["moe_route"] = experts.route_for(h, idx.shape[1])
@@ -136,12 +130,16 @@ def prefill_timings(engine, rows: int = 467, prompt_inputs: dict | None = None) 
         if isinstance(q, Int4Linear):
             out["q_proj_tinygemm_ms"], _ = timed_ms(lambda: q(h, route="tinygemm"))
             out["q_proj_dense_ms"], _ = timed_ms(lambda: q(h, route="dense"))
-        if prompt_inputs is not None:
-            x = {k: (v.to(dev) if hasattr(v, "to") else v) for k, v in prompt_inputs.items()}
-            if "input_features" in x:
-                out["audio_encoder_ms"], _ = timed_ms(lambda: engine.thinker.encode_audio(x), 5)
-            if "pixel_values" in x:
-                out["vision_encoder_ms"], _ = timed_ms(lambda: engine.thinker.encode_image(x), 5)
+        if prompt is not None:
+            x = {k: (v.to(dev) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
+            # eager, then replayed from its CUDA graph (what an all-resident request runs)
+            for suffix, graph in (("", False), ("_graph", True)):
+                if "input_features" in x:
+                    out[f"audio_encoder{suffix}_ms"], _ = timed_ms(
+                        lambda g=graph: engine.thinker.encode_audio(x, prompt, graph=g), 5)
+                if "pixel_values" in x:
+                    out[f"vision_encoder{suffix}_ms"], _ = timed_ms(
+                        lambda g=graph: engine.thinker.encode_image(x, prompt, graph=g), 5)
     out["kernel_errors"] = kernel_errors()
     return out
 

@@ -54,9 +54,9 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     (ORIN), and from the stages measured here: the eager encoders scaled by the host slowdown, the
     graph-replayed prefill by the GPU slowdown. A projection, not a
     measurement: `measured` is the fastest all-resident run of this benchmark."""
-    from ..modelcfg import load_config
+    from ..model_config import load_omni_config
 
-    config = load_config(model_dir)
+    config = load_omni_config(model_dir)
     th = config.thinker_config.text_config
     act = active_bytes(config)
     ctx = prompt_tokens + text_tokens // 2

@@ -272,13 +272,13 @@ class _Segment:
 def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] = lambda _m: None) -> Path:
     """Write the random checkpoint to cfg.out (built in OUT/.synthetic.tmp, renamed into place). Returns OUT."""
     import torch
-    from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from ..checkpoint_layout import model_quantization_config, segment_shards, write_config_files, write_index
     from ..layout import QuantSpec, find_targets
     from ..loader import params_on_meta
     from ..manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
-    from ..modelcfg import load_config
+    from ..model import OmniModel
+    from ..model_config import load_omni_config
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not cfg.force:
@@ -290,9 +290,8 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     spec = QuantSpec(group_size=cfg.group_size)
     with atomic_dir(out, "synthetic.tmp") as tmp:
         atomic_write_json(tmp / "config.json", data)
-        config = load_config(tmp)
         with params_on_meta():
-            model = Qwen3OmniMoeForConditionalGeneration(config)
+            model = OmniModel(load_omni_config(tmp))
         targets = find_targets(model, spec)
         write_config_files(tmp, data, model_quantization_config(model, spec, targets, 0.0, "synthetic-random"))
         synthetic_tokenizer(data).save_pretrained(tmp)
