@@ -10,7 +10,25 @@ export TOKENIZERS_PARALLELISM := false
 # GPTQModel defaults to one worker per core; a 2-core CI box wants no more than that.
 export GPTQMODEL_CPU_WORKERS ?= 2
 
-.PHONY: demo test lint venv system-deps clean
+# The compat environment runs the device runtime's tests on the oldest Python and torch it supports (JetPack 6's
+# Python 3.10, torch 2.8) with no transformers, GPTQModel, optimum or Triton, on checkpoints that the main
+# environment writes into COMPAT_FIXTURES (building them needs transformers and GPTQModel).
+PYENV_ROOT ?= $(HOME)/.pyenv
+PYTHON310 ?= $(or $(lastword $(sort $(wildcard $(PYENV_ROOT)/versions/3.10.*/bin/python3.10))),python3.10)
+COMPAT_VENV ?= .venv-py310
+COMPAT_TORCH ?= 2.8.0
+COMPAT_FIXTURES ?= build/compat-fixtures
+CPY := $(COMPAT_VENV)/bin/python
+# The runtime's tests: the engine and its decode path, INT4, the server (protocol, media, admission, metrics,
+# systemd notify) and the smoke check, the own processor and model modules, the checkpoint reader, the device-side
+# CLI. Their HF-oracle parts skip themselves there (tests/conftest.py).
+COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py test_generate_cli.py \
+	test_server.py test_server_keepalive.py test_server_lifecycle.py test_chat_api.py test_media.py \
+	test_admission.py test_metrics.py test_sdnotify.py test_smoke.py test_inputs.py test_positions.py \
+	test_audio_encoder.py test_vision_encoder.py test_code2wav.py test_model.py test_checkpoint_layout.py \
+	test_manifest.py test_plan.py test_cli.py)
+
+.PHONY: demo test test-compat venv venv-compat system-deps clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +38,27 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
+# PyPI's torch is a CUDA build: torch alone first (--no-deps: its metadata asks for 14 nvidia-* packages and
+# Triton, 3.7 GB for 2.8.0), then the 11 nvidia-* libraries a CPU run loads (tests/compat_env.py), then orin-omni
+# with --no-deps and its device-side extras listed from its metadata (naming torch again would make pip resolve
+# torch's full CUDA set). pip then reports torch's cuSOLVER, NVRTC, NVTX and Triton as missing: they are, on
+# purpose. The last step fails if transformers & co. got in. About 1.5 minutes and 5.5 GB; pip's cache saves
+# nothing here (the registry sends no caching headers), and the download is a few seconds of that anyway.
+$(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON310) -m venv $(COMPAT_VENV)
+	$(CPY) -m pip install --quiet --upgrade pip packaging
+	$(CPY) -m pip install --quiet --no-deps torch==$(COMPAT_TORCH)
+	$(CPY) tests/compat_env.py torch-libs > $(COMPAT_VENV)/torch-libs.txt
+	$(CPY) -m pip install --quiet --no-deps -r $(COMPAT_VENV)/torch-libs.txt
+	$(CPY) -m pip install --quiet --no-deps -e .
+	$(CPY) tests/compat_env.py requirements > $(COMPAT_VENV)/requirements.txt
+	$(CPY) -m pip install --quiet -r $(COMPAT_VENV)/requirements.txt
+	$(CPY) tests/compat_env.py check $(COMPAT_TORCH)
+	touch $@
+
+venv-compat: $(COMPAT_VENV)/.installed
+
 # systemd-analyze checks the rendered units in the tests (Debian/Ubuntu package `systemd`, >= 250).
 system-deps:
 	@command -v systemd-analyze >/dev/null 2>&1 || { \
@@ -27,8 +66,15 @@ system-deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq systemd >/dev/null; }
 
-test: venv system-deps
+# The compat environment is built first: a failed download should not wait for the main suite.
+test: venv venv-compat system-deps
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-compat
+
+# The checkpoints are written afresh each time: ones left by older code would be read as current.
+test-compat: venv venv-compat
+	$(PY) tests/fixture_checkpoints.py $(COMPAT_FIXTURES)
+	$(CPY) -m pytest -q --fixtures-dir $(COMPAT_FIXTURES) $(COMPAT_TESTS)
 
 demo: venv
 	$(PY) -m orin.devtools.demo --dir $(DEMO_DIR) --port $(DEMO_PORT)
@@ -42,4 +88,4 @@ lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check orin quantize tests
 
 clean:
-	rm -rf build dist $(VENV) $(LINT_VENV) .pytest_cache
+	rm -rf build dist $(VENV) $(LINT_VENV) $(COMPAT_VENV) .pytest_cache

@@ -1,11 +1,23 @@
-"""Shared fixtures: the tiny Qwen3-Omni (written once per session) and, where needed, its quantized form."""
+"""Shared fixtures: the tiny Qwen3-Omni (written once per session, or read from --fixtures-dir) and, where needed,
+its quantized form."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
+import traceback
+from pathlib import Path
 
 import pytest
+from fixture_checkpoints import (
+    QUANTIZED,
+    SYNTHETIC,
+    TINY,
+    one_torch_thread,
+    write_quantized,
+    write_synthetic,
+    write_tiny,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -25,33 +37,26 @@ def real_config() -> str:
     return real_config_path()
 
 
+def prebuilt(config: pytest.Config, name: str) -> str | None:
+    """DIR/`name` when --fixtures-dir DIR is given (the compat environment cannot build checkpoints: that needs
+    transformers and GPTQModel), else None."""
+    root = config.getoption("--fixtures-dir")
+    if not root:
+        return None
+    path = Path(root).resolve() / name
+    if not (path / "config.json").is_file():
+        pytest.fail(f"--fixtures-dir {root}: no {name!r} checkpoint there; write them with the main environment: "
+                    f"python tests/fixture_checkpoints.py {root}", pytrace=False)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    from orin.devtools.tiny import TinyModelConfig, write_tiny_model
-
+def tiny_model_dir(pytestconfig, tmp_path_factory) -> str:
+    if path := prebuilt(pytestconfig, TINY):
+        return path
     out = tmp_path_factory.mktemp("tiny") / "model"
-    write_tiny_model(TinyModelConfig(out=str(out), seed=0))
+    write_tiny(out)
     return str(out)
-
-
-# Few conversations and short speech keep the tiny model's GPTQ run at seconds; 24 conversations is what GPTQ
-# needs on the tiny model to beat round-to-nearest on held-out inputs for every layer type.
-TINY_QUANTIZE = {"samples": 24, "reply_tokens": 6, "speech_frames": 8, "min_speech_frames": 8,
-                 "device": "cpu", "progress": False}
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """The tiny model's ops are microseconds long: on the 2-core machine, with other processes busy, two OpenMP
-    threads spin-wait on each other and a quantize run gets ~10x slower. One thread is faster there."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -77,14 +82,13 @@ def single_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def quantized_dir(tiny_model_dir, tmp_path_factory) -> str:
+def quantized_dir(pytestconfig, tiny_model_dir, tmp_path_factory) -> str:
     """The tiny model quantized (both segments, default settings, built-in calibration). Read-only: copy it
     before changing anything."""
-    from quantize.pipeline import QuantConfig, run_quantize
-
+    if path := prebuilt(pytestconfig, QUANTIZED):
+        return path
     out = tmp_path_factory.mktemp("quantized") / "int4"
-    with one_torch_thread():
-        run_quantize(QuantConfig(model=tiny_model_dir, out=str(out), **TINY_QUANTIZE))
+    write_quantized(Path(tiny_model_dir), out)
     return str(out)
 
 
@@ -103,6 +107,11 @@ def engine(quantized_dir):
 
 
 def pytest_addoption(parser):
+    parser.getgroup("orin-omni checkpoints").addoption(
+        "--fixtures-dir", default=os.environ.get("ORIN_OMNI_FIXTURES_DIR"),
+        help="Read the tiny, quantized and synthetic checkpoints from DIR/tiny, DIR/quantized and DIR/synthetic "
+             "instead of building them (tests/fixture_checkpoints.py writes them; env ORIN_OMNI_FIXTURES_DIR). "
+             "The compat environment's run (make test-compat) needs it.")
     group = parser.getgroup("orin-omni device tests")
     group.addoption("--device-url", default=os.environ.get("ORIN_OMNI_DEVICE_URL"),
                     help="Run the `device` tests against this server (env ORIN_OMNI_DEVICE_URL).")
@@ -138,11 +147,11 @@ def device_target(pytestconfig) -> dict:
 
 
 @pytest.fixture(scope="session")
-def synthetic_dir(tmp_path_factory) -> str:
-    from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
-
+def synthetic_dir(pytestconfig, tmp_path_factory) -> str:
+    if path := prebuilt(pytestconfig, SYNTHETIC):
+        return path
     out = tmp_path_factory.mktemp("synthetic") / "ckpt"
-    write_synthetic_checkpoint(SyntheticConfig(config="tiny", out=str(out), device="cpu", seed=3))
+    write_synthetic(out)
     return str(out)
 
 
@@ -158,3 +167,53 @@ def server(engine, quantized_dir):
                              max_speech_seconds=SPEECH_S), engine=engine).start()
     yield srv
     srv.stop()
+
+
+# --------------------------------------------------------------------------- compat environment (no transformers)
+# The compat run (Python 3.10, the oldest torch, no transformers) proves the device runtime needs no transformers.
+# A test that reaches transformers through its oracle (tests/, or a workstation-side helper that the test itself
+# calls) is skipped there; one that reaches it through the runtime (an orin module the test did not call as its
+# reference) fails, as it would on a JetPack 6 board.
+
+ROOT = Path(__file__).resolve().parent.parent
+# Workstation-side modules: transformers-backed by design (quantize, the HF reference, the tests' oracle).
+WORKSTATION = ("orin/processor.py", "orin/modelcfg.py", "orin/devtools/", "quantize/")
+NO_TRANSFORMERS = importlib.util.find_spec("transformers") is None
+
+
+def oracle_import(exc: BaseException) -> str | None:
+    """Where a test's oracle imported the missing transformers ("file:line"), or None when it is not that: another
+    error, or the import came from the runtime (then the test must fail)."""
+    if not (NO_TRANSFORMERS and isinstance(exc, ModuleNotFoundError)
+            and (exc.name or "").split(".")[0] == "transformers"):
+        return None
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if not path.is_relative_to(ROOT):
+            continue  # importlib, site-packages
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/"):
+            return f"{rel}:{frame.lineno}"
+        if not rel.startswith(WORKSTATION):
+            return None
+    return None
+
+
+def _skip_oracle():
+    try:
+        return (yield)
+    except ModuleNotFoundError as exc:
+        where = oracle_import(exc)
+        if where is None:
+            raise
+        pytest.skip(f"transformers not installed (compat env): the HF oracle at {where}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):  # fixtures that build the oracle
+    return (yield from _skip_oracle())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _skip_oracle())

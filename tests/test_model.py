@@ -24,7 +24,7 @@ def _hf(data):
 
 @pytest.mark.parametrize("which", ["tiny", "real"])
 def test_the_tree_has_transformers_names_and_shapes(which, real_config):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
     from orin.devtools.tiny import tiny_config_dict
 
     data = tiny_config_dict() if which == "tiny" else json.loads(open(real_config).read())
@@ -37,7 +37,7 @@ def test_the_tree_has_transformers_names_and_shapes(which, real_config):
 
 
 def test_config_values_are_transformers_values(real_config):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
     from orin.modelcfg import load_config
 
     ours, theirs = omni_config(json.loads(open(real_config).read())), load_config(real_config)
@@ -60,7 +60,7 @@ def test_config_values_are_transformers_values(real_config):
 
 
 def test_rotary_router_and_experts_compute_what_transformers_computes():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
     from orin.devtools.tiny import tiny_config_dict
 
     torch.manual_seed(0)

@@ -268,6 +268,9 @@ def test_device_access_per_platform():
         f"DeviceAllow={d} rw" for d in DISCRETE_DEVICES
     ]
     assert not any("nvmap" in line or "jtop" in line for line in discrete)
+    # the JetPack's ptxas for the Jetson AI Lab's Triton; a discrete GPU's Triton brings its own
+    assert "Environment=TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas" in jetson
+    assert not any("TRITON_PTXAS_PATH" in line for line in discrete)
 
 
 def test_supplementary_groups_only_when_given():

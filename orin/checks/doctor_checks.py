@@ -21,7 +21,7 @@ from .check import FAIL, PASS, SKIP, Check
 # torch._grouped_mm, which 2.8 brought). Bounds are inclusive (major, minor); None = no upper bound.
 SUPPORTED = {"python": ((3, 10), (3, 13)), "torch": ((2, 8), None)}
 TORCH_INSTALL = {
-    "jetpack6": "pip install torch --index-url https://pypi.jetson-ai-lab.io/jp6/cu126  (JetPack 6: Jetson AI Lab)",
+    "jetpack6": "pip install torch==2.8.0 triton==3.4.0 --index-url https://pypi.jetson-ai-lab.io/jp6/cu126  (JetPack 6: Jetson AI Lab)",
     "jetpack7": "pip install torch  (JetPack 7.2: the CUDA wheels are on PyPI)",
 }
 MIN_CAPABILITY = (8, 0)  # torch's CUDA INT4 kernel (tinygemm) needs sm_80; the AGX Orin is sm_87
@@ -239,7 +239,7 @@ def check_power_backends(sysfs_root: str, jtop_socket: str, jetson: bool) -> lis
         checks.append(Check("power", PASS, f"energy is measured with {working[0]} (auto picks it)"))
     elif jetson:
         checks.append(Check("power", FAIL, "no power backend works on this Jetson: energy is not measured",
-                            "sudo systemctl start jtop (install: sudo pip3 install jetson-stats), or make "
+                            "sudo systemctl start jtop (install: sudo pip3 install jetson-stats==7.2.2), or make "
                             f"{Path(sysfs_root) / 'bus/i2c/devices'}/*/hwmon/*/ readable"))
     else:
         checks.append(Check("power", SKIP, "no power backend here (not a Jetson, no NVML): energy is not measured"))

@@ -97,7 +97,8 @@ class JtopBackend:
         if not os.path.exists(self.socket):
             raise PowerError(
                 f"jtop service is not running ({self.socket} missing): run: sudo systemctl start jtop "
-                "(install it with: sudo pip3 install jetson-stats), or choose --backend ina3221"
+                "(install it with: sudo pip3 install jetson-stats==7.2.2, the version of the jetson extra), "
+                "or choose --backend ina3221"
             )
         try:
             from jtop import JtopException, jtop
