@@ -121,6 +121,12 @@ class Engine:
 
         return prepare_prompt(self.processor, self.config.thinker_config, req.messages, self.device)
 
+    def plan(self, req: GenerationRequest) -> RequestPlan:
+        """The planner's verdict and schedule for `req` under this engine's budget, without running it (a
+        BudgetError where it cannot run; the verdict's `min_budget` is the least budget it runs in)."""
+        self._validate(req)
+        return self._plan(req, self.prepare(req))
+
     def generate(self, req: GenerationRequest, cancel: threading.Event | None = None):
         """(text, audio samples or None, Report) of a whole request."""
         text, chunks, report = "", [], None

@@ -15,6 +15,7 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -233,58 +234,73 @@ class Loader:
         if not self.is_resident(component):
             return
         start = time.perf_counter()
-        before = self._memory.current()
-        for name, param in list(self.model.named_parameters()):
-            if C.component_of(name) != component or param.device.type == "meta":
-                continue
-            module_path, _, attr = name.rpartition(".")
-            module = self.model.get_submodule(module_path)
-            module._parameters[attr] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                                    requires_grad=False)
+        # Weak references to every tensor given up: once they are all dead, the memory is the allocator's again.
+        # (Comparing memory_allocated before and after cannot tell: a prefetch thread may be loading the next
+        # component meanwhile, which made a clean eviction look half-done.)
+        released = self._release_parameters(component)
         for path, shell in self.shells.items():
             if C.component_of(path + ".") == component:
+                released.extend(weakref.ref(b) for b in shell.buffers() if b is not None)
                 unload_int4_module(shell)
         gc.collect()
+        alive = sum(ref() is not None for ref in released)
+        if alive:
+            raise RuntimeError(f"evicting {component}: {alive} of its {len(released)} tensors are still referenced "
+                               "elsewhere, so their memory is not freed")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         with self._lock:
             nbytes = self._memory.resident.pop(component)
         self._record(Swap(component, "out", nbytes, time.perf_counter() - start))
-        if self.device.type == "cuda":
-            freed = before - torch.cuda.memory_allocated(self.device)
-            if freed < nbytes * 0.9:
-                raise RuntimeError(f"evicting {component} freed {freed} bytes of {nbytes}: something still holds "
-                                   "its tensors")
         log.info("swap out %-15s %10d bytes %.3f s", component, nbytes, time.perf_counter() - start)
+
+    def _committed(self, comps: tuple[str, ...]) -> tuple[int, int]:
+        """(bytes resident or arriving by a prefetch already started, bytes `comps` still need loaded), one
+        consistent snapshot: a prefetch landing between two separate reads would be counted twice."""
+        with self._lock:
+            resident = dict(self._memory.resident)
+        sizes = {**self._estimates, **resident}
+        arriving = [c for c in self._pending if c not in resident]
+        held = sum(resident.values()) + sum(sizes[c] for c in arriving)
+        return held, sum(sizes[c] for c in comps if c not in resident and c not in arriving)
+
+    def _release_parameters(self, component: str) -> list[weakref.ref]:
+        """Replace the component's parameters with meta ones; weak references to the ones given up."""
+        released = []
+        for name, param in list(self.model.named_parameters()):
+            if C.component_of(name) == component and param.device.type != "meta":
+                module_path, _, attr = name.rpartition(".")
+                released.append(weakref.ref(param))
+                self.model.get_submodule(module_path)._parameters[attr] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        return released
 
     def stage(self, comps: tuple[str, ...], working: int, next_comps: tuple[str, ...] = (),
               prefetch: bool = True) -> None:
         """Make `comps` resident with `working` bytes (KV caches, activations, margin) beside them, evicting other
         components (in pipeline order) where the budget needs it; then start loading `next_comps` in the
         background where they fit beside all that."""
-        incoming = sum(self.sizes()[c] for c in comps if not self.is_resident(c))
         if self.budget is not None:
             for comp in C.PIPELINE:
-                if self.resident_bytes() + incoming + working <= self.budget:
+                held, incoming = self._committed(comps)
+                if held + incoming + working <= self.budget:
                     break
-                if self.is_resident(comp) and comp not in comps:
+                if (self.is_resident(comp) or comp in self._pending) and comp not in comps:
                     self.evict(comp)
-            if self.resident_bytes() + incoming + working > self.budget:
-                raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident "
-                                  f"{self.resident_bytes()} + loading {incoming} + working {working} bytes")
+            held, incoming = self._committed(comps)
+            if held + incoming + working > self.budget:
+                raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident or arriving {held} + "
+                                  f"loading {incoming} + working {working} bytes")
         for c in comps:
             self.ensure(c)
         self._memory.observe()
         if not prefetch:
             return
-        queued = 0  # a prefetch counts as resident only once it lands: count the ones queued here ourselves
         for c in next_comps:
             if self.is_resident(c) or c in self._pending:
                 continue
-            size = self.sizes()[c]
-            if self.budget is None or self.resident_bytes() + queued + size + working <= self.budget:
+            if self.budget is None or sum(self._committed((c,))) + working <= self.budget:
                 self.prefetch(c)
-                queued += size
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

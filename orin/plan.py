@@ -175,7 +175,7 @@ def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dt
     for t in targets:
         q_params[t.component] += target_param_count(t)
         q_file[t.component] += target_file_bytes(t, g)
-        q_run[t.component] += target_runtime_bytes(t, g)
+        q_run[t.component] += target_runtime_bytes(t, g, scale_bytes=dtype_bytes)  # scales in the compute dtype
         n_targets[t.component] += 1
         for _, k, _n, _b in t.linears():
             if k % g:
@@ -300,6 +300,7 @@ class Verdict:
     streaming: bool
     peak_bytes: int
     reason: str
+    min_budget: int = 0  # the smallest budget that serves this request (its leanest schedule's peak)
 
 
 def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
@@ -333,23 +334,28 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
     all_bytes = sum(resident[c] for c in needed) + sum(kv.get(c, 0) for c in needed) + max(
         [act.get(c, 0) for c in needed] or [0]) + margin
     largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
+    options = []
     for label, plan in schedules(needed):
         stages = []
         for name, comps in plan:
             alive = () if name.startswith("encode") else comps
             stages.append(Stage(name, comps, stage_bytes(comps, alive)))
-        peak = max(s.bytes for s in stages)
+        options.append((label, stages, max(s.bytes for s in stages)))
+    least = min(peak for _, _, peak in options)
+    for label, stages, peak in options:
         if peak <= budget:
             streaming = "streaming" in label or "speak" not in " ".join(s.name for s in stages)
             if all_bytes <= budget:
                 return Verdict(needed, all_bytes, True, True, stages, streaming, all_bytes,
-                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})")
+                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})", least)
             return Verdict(needed, all_bytes, False, True, stages, "streaming" in label, peak,
-                           f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}")
+                           f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}",
+                           least)
     worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0) + margin
     return Verdict(needed, all_bytes, False, False, [], False, worst,
                    f"does not fit: {largest} alone needs {format_bytes(worst)} (weights, KV cache and working "
-                   f"memory) but the budget is {format_bytes(budget)}")
+                   f"memory) but the budget is {format_bytes(budget)}; the least it runs in is "
+                   f"{format_bytes(least)}", least)
 
 
 # ---------------------------------------------------------------- the command
@@ -395,6 +401,7 @@ class PlanResult:
             "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
             "schedule": [st.to_json() for st in v.schedule],
             "all_resident_bytes": v.all_resident_bytes,
+            "min_budget_bytes": v.min_budget,
             "peak_bytes": v.peak_bytes,
             "verdict": v.reason,
         }
@@ -471,7 +478,9 @@ def render_plan(result: PlanResult) -> str:
               f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])} "
               f"+ {format_bytes(RUNTIME_MARGIN)} runtime margin, "
               f"needs: {', '.join(r['needed'])}"]
-    lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}"]
+    lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}",
+              f"all-resident from {format_bytes(j['all_resident_bytes'])}; the least budget this request runs in: "
+              f"{format_bytes(j['min_budget_bytes'])}"]
     for st in result.verdict.schedule:
         lines.append(f"  stage {st.name:<12} {format_bytes(st.bytes):>12}  resident: {', '.join(st.resident)}")
     return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""The time-sliced loader at every budget (issue 15), on the tiny INT4 model on CPU: from the least budget the
+planner accepts for a mix of requests up to all-resident, several consecutive requests each (text only, speech,
+image + audio + speech), every request gives the all-resident text, tokens, codec frames and samples, the peak
+stays under the budget, and no component is ever left half-loaded. On CPU the loader counts the engine's tensors
+exactly (weights and KV caches), so the peak compared is that count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orin import components as C
+from orin.contract import AudioChunk, Done, GenerationRequest
+from orin.engine import Engine, EngineConfig
+from orin.media import synth_image, synth_speechlike
+
+KINDS = {
+    "text": GenerationRequest(messages=({"role": "user", "content": "Name three colours."},), max_new_tokens=5,
+                              speech=False, ignore_eos=True),
+    "speech": GenerationRequest(messages=({"role": "user", "content": "Say hello."},), max_new_tokens=4,
+                                max_audio_frames=6, ignore_eos=True),
+    "av": GenerationRequest(messages=({"role": "user", "content": [
+        {"type": "image", "image": synth_image(96, seed=3)},
+        {"type": "audio", "audio": synth_speechlike(1.5, seed=4)},
+        {"type": "text", "text": "What is this?"}]},), max_new_tokens=4, max_audio_frames=6, ignore_eos=True),
+}
+SEQUENCE = ("av", "text", "speech", "av", "speech", "text")
+POINTS = 8
+
+
+def _outcome(engine, req):
+    events = list(engine.stream(req))
+    report = next(e.report for e in events if isinstance(e, Done))
+    frames = [f for e in events if isinstance(e, AudioChunk) for f in e.frames]
+    chunks = [e.samples for e in events if isinstance(e, AudioChunk)]
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return report, (report.token_ids, report.text, tuple(frames), samples.tobytes())
+
+
+def _engine(model_dir, budget=None):
+    return Engine(EngineConfig(model_dir=model_dir, device="cpu", power_backend="none", budget=budget,
+                               verify_checksums=False))
+
+
+def _assert_whole(engine):
+    """Each component is either wholly loaded (and counted resident) or wholly out."""
+    loaded: dict[str, set[bool]] = {}
+    for name, p in engine.loader.model.named_parameters():
+        comp = C.component_of(name)
+        if comp is not None:
+            loaded.setdefault(comp, set()).add(p.device.type != "meta")
+    for path, shell in engine.loader.shells.items():
+        loaded.setdefault(C.component_of(path + "."), set()).add(shell.is_loaded)
+    for comp, states in loaded.items():
+        assert len(states) == 1, f"{comp} is half-loaded"
+        assert states == {engine.loader.is_resident(comp)}, comp
+
+
+@pytest.fixture(scope="module")
+def reference(quantized_dir):
+    engine = _engine(quantized_dir)
+    try:
+        plans = {k: engine.plan(req).verdict for k, req in KINDS.items()}
+        outcomes = {k: _outcome(engine, req)[1] for k, req in KINDS.items()}
+    finally:
+        engine.close()
+    return plans, outcomes
+
+
+def test_every_budget_from_the_least_to_all_resident_gives_the_same_outputs(quantized_dir, reference):
+    plans, outcomes = reference
+    least = max(v.min_budget for v in plans.values())
+    top = max(v.all_resident_bytes for v in plans.values())
+    assert least < top
+    budgets = [least + (top - least) * i // (POINTS - 1) for i in range(POINTS)] + [top + 1]
+    swapped = {}
+    for budget in budgets:
+        engine = _engine(quantized_dir, budget)
+        try:
+            moved = 0
+            for kind in SEQUENCE:
+                report, outcome = _outcome(engine, KINDS[kind])
+                assert outcome == outcomes[kind], f"{kind} at budget {budget} differs from all-resident"
+                assert report.peak_bytes <= budget, (kind, budget, report.peak_bytes)
+                _assert_whole(engine)
+                moved += sum(s.bytes for s in report.swaps if s.direction == "in")
+            swapped[budget] = moved
+        finally:
+            engine.close()
+    # The least budget swaps components in and out; all-resident loads each one once.
+    assert swapped[budgets[0]] > swapped[budgets[-1]]
+    assert swapped[budgets[-1]] == sum(engine.loader.sizes()[c] for c in C.NAMES)
+
+
+def test_below_the_least_budget_every_kind_is_refused_before_loading(quantized_dir, reference):
+    from orin.errors import BudgetError
+
+    plans, _ = reference
+    for kind, verdict in plans.items():
+        engine = _engine(quantized_dir, verdict.min_budget - 1)
+        try:
+            with pytest.raises(BudgetError, match="the least it runs in is"):
+                engine.generate(KINDS[kind])
+            assert engine.loader.resident() == ()
+        finally:
+            engine.close()
+
+
+def test_eviction_refuses_while_something_still_holds_a_tensor(quantized_dir):
+    """The loader's check that an evicted component's memory is really free: a tensor still referenced elsewhere
+    is named, not silently kept."""
+    engine = _engine(quantized_dir)
+    try:
+        engine.loader.ensure("code2wav")
+        held = engine.loader.model.code2wav.code_embedding.weight  # noqa: F841 - the reference under test
+        with pytest.raises(RuntimeError, match="evicting code2wav: 1 of its .* still referenced"):
+            engine.loader.evict("code2wav")
+        del held
+    finally:
+        engine.close()
