@@ -359,6 +359,13 @@ class Decoders:
     def code_predictor(self) -> CodePredictor:
         return self._get("code_predictor", lambda: CodePredictor(self.model, self.device, self.compile))
 
+    def weights_may_have_moved(self) -> None:
+        """After a swap: every decoder compares its weights' addresses with its graphs' before the next replay
+        (re-capturing where they moved). The step graphs only checked at a prefill, which the code predictor
+        never has: swapped out and in between two requests, it replayed onto freed memory."""
+        for dec in self._made.values():
+            dec.runner.check = True
+
     def captured(self) -> bool:
         """Whether any decoder has captured a CUDA graph (decode steps or a prefill bucket)."""
         return any(d.runner.captures or getattr(d, "prefill_captures", 0) for d in self._made.values())

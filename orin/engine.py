@@ -219,6 +219,7 @@ class Engine:
     def _stage(self, plan: RequestPlan, comps: tuple[str, ...], next_comps: tuple[str, ...] = ()) -> None:
         """Make `comps` resident (the loader evicts and prefetches within the budget), then tell the observer."""
         self.loader.stage(comps, plan.working(comps), next_comps, prefetch=self.cfg.prefetch)
+        self.decoders.weights_may_have_moved()
         self._notify(Staged(tuple(comps), self.loader.resident(), self.loader.allocated_bytes(),
                             self.loader.peak_bytes()))
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
-from .int4pack import check_device, dequantize_packed, grouped_gemm, int4_mm, to_kernel
+from .int4pack import KernelWeight, check_device, dequantize_packed, grouped_gemm, int4_mm, to_kernel
 from .plan import PREFILL_DEQUANT_CHUNK
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -77,6 +77,41 @@ def _fuse_gate_up(
             raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
         fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
     return fused
+
+
+# Experts converted to the kernel layout per call when loading: one conversion per batch instead of one per expert
+# (each is a dozen small kernels and their launches: loading was bound by them, not by reading); the batch's raw
+# and converted tensors are the load's transient memory (~90 MB for 32 of the real thinker's experts).
+LOAD_BATCH_EXPERTS = 32
+# Experts convert as one layer stacked along the outputs where each expert's outputs fill whole kernel row tiles
+# (the CUDA int4pack layout tiles 8 rows, the CPU one blocks of rows): then the packed rows split per expert.
+BATCH_ROW_ALIGN = 64
+
+
+def convert_batch(layers: list[Mapping[str, torch.Tensor]], in_features: int, device: torch.device,
+                  dtype: torch.dtype, name: str) -> KernelWeight:
+    """The GPTQ tensors of several experts' same-shaped layers in kernel form, stacked: weight [b, ...],
+    scales_and_zeros [b, ...], each expert's exactly what `to_kernel` gives it alone (tests compare them). One
+    conversion of the layers joined along their outputs where each expert's outputs fill whole row tiles and
+    share their group layout; else one conversion each."""
+    first = layers[0]
+    shapes = {k: tuple(first[k].shape) for k in GPTQ_KEYS}
+    N = shapes["scales"][1]
+    joinable = len(layers) > 1 and N % BATCH_ROW_ALIGN == 0 and all(
+        {k: tuple(layer[k].shape) for k in GPTQ_KEYS} == shapes and torch.equal(layer["g_idx"], first["g_idx"])
+        for layer in layers[1:])
+    if not joinable:
+        kws = [to_kernel(layer, in_features, device, dtype, name) for layer in layers]
+        k0 = kws[0]
+        return KernelWeight(torch.stack([k.weight for k in kws]), torch.stack([k.scales_and_zeros for k in kws]),
+                            k0.kernel_group, k0.group, k0.K_run, k0.N)
+    b = len(layers)
+    joined = {k: torch.cat([layer[k] for layer in layers], dim=1) for k in ("qweight", "qzeros", "scales")}
+    joined["g_idx"] = first["g_idx"]
+    kw = to_kernel(joined, in_features, device, dtype, name)
+    weight = kw.weight.view(b, kw.weight.shape[0] // b, *kw.weight.shape[1:])
+    sz = kw.scales_and_zeros.view(kw.scales_and_zeros.shape[0], b, N, 2).transpose(0, 1).contiguous()
+    return KernelWeight(weight, sz, kw.kernel_group, kw.group, kw.K_run, N)
 
 
 class Int4Experts(nn.Module):
@@ -135,37 +170,38 @@ class Int4Experts(nn.Module):
         if isinstance(source, Sequence) and len(source) != E:
             raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
         stacks: dict[str, torch.Tensor] = {}
-        for e in range(E):
-            ename = f"{name}.{e}"
-            parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
-            for p in EXPERT_PROJS:
-                if "qweight" not in parts[p]:
-                    raise ModelError(f"{ename}.{p}.qweight missing from the checkpoint; re-run orin-omni quantize")
-            gate_up = to_kernel(
-                _fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, ename),
-                self.hidden_dim,
-                device,
-                dtype,
-                f"{ename}.gate_up",
-            )
-            down = to_kernel(parts["down_proj"], self.intermediate_dim, device, dtype, f"{ename}.down_proj")
-            if gate_up.N != 2 * self.intermediate_dim or down.N != self.hidden_dim:
-                raise ModelError(
-                    f"{ename}: expert output sizes in the checkpoint do not match the model's (H={self.hidden_dim}, I={self.intermediate_dim})"
-                )
-            for key, kw in (("gate_up", gate_up), ("down", down)):
+        for e0 in range(0, E, LOAD_BATCH_EXPERTS):
+            batch = range(e0, min(E, e0 + LOAD_BATCH_EXPERTS))
+            if hasattr(source, "read_block"):  # the loader's lazy view: the batch's tensors in one read
+                source.read_block([f"{prefix}{e}.{p}.{k}" for e in batch for p in EXPERT_PROJS for k in GPTQ_KEYS])
+            gate_up, down = [], []
+            for e in batch:
+                parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
+                for p in EXPERT_PROJS:
+                    if "qweight" not in parts[p]:
+                        raise ModelError(f"{name}.{e}.{p}.qweight missing from the checkpoint; re-run orin-omni "
+                                         "quantize")
+                gate_up.append(_fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, f"{name}.{e}"))
+                down.append({k: parts["down_proj"][k].to(device) for k in GPTQ_KEYS if k in parts["down_proj"]})
+            where = f"{name}.{batch.start}-{batch.stop - 1}"
+            for key, layers, k_in, n_out in (("gate_up", gate_up, self.hidden_dim, 2 * self.intermediate_dim),
+                                             ("down", down, self.intermediate_dim, self.hidden_dim)):
+                kw = convert_batch(layers, k_in, device, dtype, f"{where}.{key}")
+                if kw.N != n_out:
+                    raise ModelError(f"{where}: expert output sizes in the checkpoint do not match the model's "
+                                     f"(H={self.hidden_dim}, I={self.intermediate_dim})")
                 geom = (kw.kernel_group, kw.K_run, kw.N_pad)
-                if e == 0:
+                if e0 == 0:
                     self._geom[key] = geom
-                    stacks[f"{key}_packed"] = torch.empty((E, *kw.weight.shape), dtype=kw.weight.dtype, device=device)
+                    stacks[f"{key}_packed"] = torch.empty((E, *kw.weight.shape[1:]), dtype=kw.weight.dtype,
+                                                          device=device)
                     stacks[f"{key}_scales_and_zeros"] = torch.empty(
-                        (E, *kw.scales_and_zeros.shape), dtype=kw.scales_and_zeros.dtype, device=device
-                    )
+                        (E, *kw.scales_and_zeros.shape[1:]), dtype=kw.scales_and_zeros.dtype, device=device)
                 elif self._geom[key] != geom:
-                    raise ModelError(f"{ename}: quantized with a different group size than expert 0; re-quantize")
-                stacks[f"{key}_packed"][e].copy_(kw.weight)
-                stacks[f"{key}_scales_and_zeros"][e].copy_(kw.scales_and_zeros)
-            self.group_size = gate_up.group
+                    raise ModelError(f"{where}: quantized with a different group size than expert 0; re-quantize")
+                stacks[f"{key}_packed"][batch.start:batch.stop].copy_(kw.weight)
+                stacks[f"{key}_scales_and_zeros"][batch.start:batch.stop].copy_(kw.scales_and_zeros)
+                self.group_size = kw.group
             del gate_up, down, parts
         for key, value in stacks.items():
             setattr(self, key, value)

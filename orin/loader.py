@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import components as C
+from .block_reader import BlockReader
 from .checkpoint import Checkpoint
 from .contract import Swap
 from .errors import BudgetError, ModelError
@@ -186,13 +187,14 @@ class Loader:
         total = 0
         shells = {p: m for p, m in self.shells.items() if C.component_of(p + ".") == component}
         for source in self.ckpt.sources(component):
+            blocks = BlockReader(source.path, self.device)
             with source.open(self.device) as reader:
                 for key, file_keys in source.plain.items():
                     total += self._assign(key, _read_plain(reader, key, file_keys))
                 for path, int4 in source.int4_modules.items():
                     shell = shells[path]
-                    load_int4_module(shell, _Relative(reader, int4.file_prefix, int4.keys), self.device, self.dtype,
-                                     name=path)
+                    tensors = _Relative(reader, int4.file_prefix, int4.keys, blocks)
+                    load_int4_module(shell, tensors, self.device, self.dtype, name=path)
                     total += _module_bytes(shell)
         missing = [n for n, p in self.model.named_parameters()
                    if C.component_of(n) == component and p.device.type == "meta"]
@@ -325,17 +327,28 @@ def _module_bytes(module: nn.Module) -> int:
 
 class _Relative(Mapping):
     """A lazy view of one INT4 module's checkpoint tensors, with keys relative to the module path; tensors are
-    read from the open safetensors file only when the module asks for them."""
+    read from the open safetensors file only when the module asks for them, one at a time or, announced with
+    `read_block`, many in one read (orin.block_reader)."""
 
-    def __init__(self, reader, path: str, keys: list[str]):
+    def __init__(self, reader, path: str, keys: list[str], blocks=None):
         self._reader = reader
+        self._blocks = blocks
         self._prefix = path + "."
-        self._keys = [k[len(self._prefix):] for k in keys]
+        self._keys = dict.fromkeys(k[len(self._prefix):] for k in keys)  # ordered, and O(1) to look up
+        self._ready: dict[str, torch.Tensor] = {}
+
+    def read_block(self, keys) -> None:
+        """Read these keys (those the module has) together; each is handed out once, then dropped here."""
+        if self._blocks is not None:
+            wanted = [self._prefix + k for k in keys if k in self._keys and k not in self._ready]
+            n = len(self._prefix)
+            self._ready.update((name[n:], t) for name, t in self._blocks.read(wanted).items())
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        return self._reader.get_tensor(self._prefix + key)
+        ready = self._ready.pop(key, None)
+        return ready if ready is not None else self._reader.get_tensor(self._prefix + key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys

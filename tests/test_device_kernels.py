@@ -209,3 +209,30 @@ def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
         engine.loader.evict("audio_encoder")
         engine.loader.ensure("audio_encoder")
         assert torch.equal(engine.thinker.encode_audio(x, prompt, graph=True), eager_a)
+
+
+def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
+    """Swapped out and in between two requests, the code predictor's weights land elsewhere; its frame graph must
+    be re-captured, not replayed onto the freed (here: reoccupied) memory. The engine tells the decoders after
+    every stage (Decoders.weights_may_have_moved)."""
+    import torch
+
+    engine = cuda_engine
+    model = engine.model
+    predictor = engine.decoders.code_predictor
+    H = model.config.talker_config.text_config.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.inference_mode():
+        engine.loader.ensure("code_predictor")
+        past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
+        first = model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
+        codes, emb = (t.clone() for t in predictor.run(past, first))
+        captures = predictor.runner.captures
+        engine.loader.evict("code_predictor")
+        squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
+        engine.loader.ensure("code_predictor")
+        engine.decoders.weights_may_have_moved()
+        again, emb_again = predictor.run(past, first)
+        assert torch.equal(again, codes) and torch.equal(emb_again, emb)
+        assert predictor.runner.captures == captures + 1
+        del squatter

@@ -545,7 +545,7 @@ def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():
     experts = Int4Experts(E, H, INTER, nn.SiLU())
     experts.load_gptq_(source, "cpu", torch.float32, name="model.experts", prefix="model.experts.")
     order = [int(k.split(".")[2]) for k in source.read]
-    assert order == sorted(order)  # expert e is fully read and converted before expert e+1
+    assert order == sorted(order)  # experts are read in order, a batch at a time
     assert set(int4_tensor_keys(experts)) == set(flat)
     target = Target("model.experts", "thinker_text", "experts", H, H, num_experts=E, intermediate=INTER)
     assert target_runtime_bytes(target, G, scale_bytes=4) == sum(b.nbytes for b in experts.buffers())
@@ -553,7 +553,7 @@ def test_int4_experts_read_a_lazy_source_one_expert_at_a_time():
 
 def test_int4_experts_refuse_mismatched_checkpoint():
     flat = _expert_checkpoint(_gen(23))
-    with pytest.raises(ModelError, match=r"experts\.0\.down_proj: .* does not match this model"):
+    with pytest.raises(ModelError, match=r"experts\.0-7: expert output sizes in the checkpoint do not match"):
         Int4Experts.from_gptq(
             flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER * 2, act_fn=nn.SiLU(), device="cpu"
         )
@@ -764,3 +764,33 @@ def test_grouped_matmul_without_torch_grouped_mm_gives_the_same_rows():
     if _grouped_mm_works(x.device, x.dtype):
         assert torch.allclose(grouped_matmul(x, w, counts, ends, fused=True), loop, atol=1e-5)
     assert grouped_matmul(x, w, counts, ends).shape == loop.shape  # the probe picks a path that runs here
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA int4pack layout needs a CUDA device"))])
+def test_experts_converted_in_batches_equal_one_at_a_time(device, monkeypatch):
+    """Loading converts a batch of experts as one layer joined along its outputs (orin.int4_experts.convert_batch):
+    the buffers are bit-for-bit those of converting each expert alone."""
+    import orin.int4_experts as ie
+
+    inter = 64  # gate_up 128 and down 64 outputs per expert: whole row tiles, so a batch joins
+    flat = _expert_checkpoint(_gen(31), inter=inter)
+    calls = []
+    convert = ie.to_kernel
+    monkeypatch.setattr(ie, "to_kernel", lambda *a, **k: calls.append(a[-1]) or convert(*a, **k))
+
+    def load(batch):
+        monkeypatch.setattr(ie, "LOAD_BATCH_EXPERTS", batch)
+        calls.clear()
+        return Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=inter, act_fn=nn.SiLU(),
+                                     device=device, dtype=torch.bfloat16)
+
+    one = load(1)
+    assert len(calls) == 2 * E
+    some = load(3)
+    all_at_once = load(E)
+    assert len(calls) == 2  # one conversion per projection for all the experts
+    for name, buf in one.named_buffers():
+        assert torch.equal(dict(some.named_buffers())[name], buf), name
+        assert torch.equal(dict(all_at_once.named_buffers())[name], buf), name
+    assert one._geom == some._geom == all_at_once._geom

@@ -76,6 +76,18 @@ def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
     return str(out)
 
 
+def _storage(model_dir: str, device: str, log_fn) -> dict:
+    """The plain storage -> device bandwidth of the checkpoint's largest file (orin.devtools.bench_storage)."""
+    from ..device import pick_device
+    from .bench_storage import storage_bandwidth
+
+    largest = max(Path(model_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    out = storage_bandwidth(str(largest), pick_device(device))
+    cold = f"{out['cold_gb_s']:.2f} GB/s cold" if out["cold_gb_s"] else "cold not measurable"
+    log_fn(f"[storage] {out['file']} ({out['bytes'] / 1e9:.2f} GB) -> device: {cold}, {out['warm_gb_s']:.2f} GB/s warm")
+    return out
+
+
 def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
     """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
     rewritten after every part, so a run cut short keeps what it measured."""
@@ -120,6 +132,9 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
             result.runs["hf_bf16"] = hf
     part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, record))
     if not cfg.skip_sliced and cfg.budget_sliced:
+        storage = part("storage", lambda: _storage(model_dir, cfg.device, log_fn))
+        if storage:
+            result.extra["storage_bandwidth"] = storage
         for i, budget in enumerate(cfg.budget_sliced):
             key = "orin_time_sliced" if i == 0 else f"orin_time_sliced_{i + 1}"
             sliced = part(key, lambda b=budget: run_time_sliced(cfg, model_dir, inputs, log_fn, b))

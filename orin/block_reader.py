@@ -1,0 +1,116 @@
+"""Reading many tensors of a safetensors file at once: the byte span that holds them read in one piece into a
+pinned host buffer, copied to the device in one transfer, and cut into the tensors there.
+
+The loader's INT4 experts are ~55,000 small tensors for the real thinker (a few hundred KB each); read one at a
+time (safetensors' get_tensor: a pageable copy and its synchronisation each) they held the swap-in to ~2 GB/s
+where the same host moves a file to the GPU at 5+ GB/s. A batch of experts is stored contiguously (quantize and
+the synthetic writer write them in order), so its span is read with one `readinto` and one host-to-device copy.
+The tensors returned are views of the device block: a consumer that keeps one past the load must copy it (the
+INT4 modules keep only what they convert).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .errors import ModelError
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+           "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "BOOL": torch.bool,
+           "F64": torch.float64}
+# A span larger than this is read in pieces (the pinned buffer's size): bounds the host memory a load pins.
+MAX_BLOCK = 256 << 20
+# Tensors closer than this in the file are read in one span (the bytes between them read and dropped).
+MAX_GAP = 1 << 20
+
+
+def tensor_index(path: str) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]]:
+    """(offset of the data section, {name: (dtype, shape, start, end)}) from the file's header; parsed once per
+    version of the file (its size and modification time key the cache: a rewritten file is read anew)."""
+    try:
+        st = Path(path).stat()
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc}); restore it from the checkpoint") from exc
+    return _tensor_index(path, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _tensor_index(path: str, _size: int, _mtime_ns: int):
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError) as exc:
+        raise ModelError(f"{path}: not a readable safetensors file ({exc}); restore it from the checkpoint") from exc
+    index = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ModelError(f"{path}: tensor {name} has dtype {info['dtype']}, which orin-omni does not read")
+        start, end = info["data_offsets"]
+        index[name] = (_DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+    return 8 + length, index
+
+
+class BlockReader:
+    """`read(names)` -> {name: tensor on `device`} for tensors of one file, their span read in one go."""
+
+    def __init__(self, path: Path, device: torch.device):
+        self.path = str(path)
+        self.device = device
+        self.base, self.index = tensor_index(self.path)
+        self._pinned: torch.Tensor | None = None
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._pinned
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors; each run of them that lies together in the file (gaps under MAX_GAP) is one read."""
+        try:
+            entries = sorted(((n, self.index[n]) for n in set(names)), key=lambda item: item[1][2])
+        except KeyError as exc:
+            raise ModelError(f"{self.path}: has no tensor {exc}; the checkpoint is incomplete") from exc
+        out: dict[str, torch.Tensor] = {}
+        run: list = []
+        for item in entries:
+            if run and item[1][2] - run[-1][1][3] > MAX_GAP:
+                out.update(self._read_run(run))
+                run = []
+            run.append(item)
+        if run:
+            out.update(self._read_run(run))
+        return out
+
+    def _read_run(self, entries: list) -> dict[str, torch.Tensor]:
+        lo = entries[0][1][2]
+        hi = max(e[3] for _, e in entries)
+        block = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.base + lo)
+            done = 0
+            while done < hi - lo:
+                n = min(MAX_BLOCK, hi - lo - done)
+                host = self._buffer(n)[:n]
+                got = f.readinto(memoryview(host.numpy()))
+                if got != n:
+                    raise ModelError(f"{self.path}: ends early (read {got} of {n} bytes); the file is truncated")
+                block[done:done + n].copy_(host)  # synchronous: the pinned buffer is reused for the next piece
+                done += n
+        out = {}
+        for name, (dtype, shape, start, end) in entries:
+            raw = block[start - lo:end - lo]
+            if (start - lo) % dtype.itemsize:  # a view needs its dtype's alignment; copy the odd one
+                raw = raw.clone()
+            out[name] = raw.view(dtype).view(shape)
+        return out
+
+
+__all__ = ["BlockReader", "tensor_index"]
