@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -59,39 +60,89 @@ def _tensor_index(path: str, _size: int, _mtime_ns: int):
 
 
 class BlockReader:
-    """`read(names)` -> {name: tensor on `device`} for tensors of one file, their span read in one go."""
+    """`read(names)` -> {name: tensor on `device`} for tensors of one file, each run of them that lies together
+    read in one go. `read_ahead(names)` starts the disk part of a later `read` of the same names on a background
+    thread (file reads release the GIL), so reading the next batch overlaps converting this one."""
 
     def __init__(self, path: Path, device: torch.device):
         self.path = str(path)
         self.device = device
         self.base, self.index = tensor_index(self.path)
         self._pinned: torch.Tensor | None = None
+        self._ahead: tuple[frozenset, Future] | None = None
 
     def _buffer(self, size: int) -> torch.Tensor:
         if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = None  # the old buffer goes before the larger one is pinned
             self._pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         return self._pinned
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors; each run of them that lies together in the file (gaps under MAX_GAP) is one read."""
+    def _runs(self, names) -> list[list]:
         try:
             entries = sorted(((n, self.index[n]) for n in set(names)), key=lambda item: item[1][2])
         except KeyError as exc:
             raise ModelError(f"{self.path}: has no tensor {exc}; the checkpoint is incomplete") from exc
-        out: dict[str, torch.Tensor] = {}
-        run: list = []
+        runs: list[list] = []
         for item in entries:
-            if run and item[1][2] - run[-1][1][3] > MAX_GAP:
-                out.update(self._read_run(run))
-                run = []
-            run.append(item)
-        if run:
-            out.update(self._read_run(run))
+            if runs and item[1][2] - runs[-1][-1][1][3] <= MAX_GAP:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        return runs
+
+    @staticmethod
+    def _span(run: list) -> tuple[int, int]:
+        return run[0][1][2], max(e[3] for _, e in run)
+
+    def _read_host(self, runs: list[list]) -> list[tuple[list, torch.Tensor]]:
+        """The runs' bytes from the file into the (one, reused) pinned buffer: (run, its bytes) each."""
+        spans = [self._span(run) for run in runs]
+        buffer = self._buffer(sum(hi - lo for lo, hi in spans))
+        out, at = [], 0
+        with open(self.path, "rb", buffering=0) as f:
+            for run, (lo, hi) in zip(runs, spans, strict=True):
+                host = buffer[at:at + hi - lo]
+                f.seek(self.base + lo)
+                got = f.readinto(memoryview(host.numpy()))
+                if got != hi - lo:
+                    raise ModelError(f"{self.path}: ends early (read {got} of {hi - lo} bytes); the file is truncated")
+                out.append((run, host))
+                at += hi - lo
         return out
 
-    def _read_run(self, entries: list) -> dict[str, torch.Tensor]:
-        lo = entries[0][1][2]
-        hi = max(e[3] for _, e in entries)
+    def read_ahead(self, names) -> None:
+        """Start reading `names` from disk in the background (at most one such read: a second is ignored)."""
+        runs = self._runs(names)
+        if self._ahead is None and sum(hi - lo for lo, hi in map(self._span, runs)) <= MAX_BLOCK:
+            self._ahead = (frozenset(names), _reader_thread().submit(self._read_host, runs))
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        """The named tensors on the device (views of one block per run: see the module doc)."""
+        key = frozenset(names)
+        if self._ahead is not None:
+            ahead, future = self._ahead
+            self._ahead = None
+            host_runs = future.result()  # the buffer is free again only once it has landed
+            if ahead == key:
+                return self._to_device(host_runs)
+        runs = self._runs(names)
+        if sum(hi - lo for lo, hi in map(self._span, runs)) <= MAX_BLOCK:
+            return self._to_device(self._read_host(runs))
+        out: dict[str, torch.Tensor] = {}
+        for run in runs:  # larger than the pinned buffer may grow: piece by piece
+            out.update(self._read_large(run))
+        return out
+
+    def _to_device(self, host_runs) -> dict[str, torch.Tensor]:
+        out = {}
+        for run, host in host_runs:
+            block = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            block.copy_(host)  # synchronous: the pinned buffer is reused by the next read
+            out.update(_cut(run, block))
+        return out
+
+    def _read_large(self, run: list) -> dict[str, torch.Tensor]:
+        lo, hi = self._span(run)
         block = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.base + lo)
@@ -102,15 +153,32 @@ class BlockReader:
                 got = f.readinto(memoryview(host.numpy()))
                 if got != n:
                     raise ModelError(f"{self.path}: ends early (read {got} of {n} bytes); the file is truncated")
-                block[done:done + n].copy_(host)  # synchronous: the pinned buffer is reused for the next piece
+                block[done:done + n].copy_(host)
                 done += n
-        out = {}
-        for name, (dtype, shape, start, end) in entries:
-            raw = block[start - lo:end - lo]
-            if (start - lo) % dtype.itemsize:  # a view needs its dtype's alignment; copy the odd one
-                raw = raw.clone()
-            out[name] = raw.view(dtype).view(shape)
-        return out
+        return _cut(run, block)
+
+
+def _cut(run: list, block: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The run's tensors as views of its device block (a misaligned one copied: a view needs its dtype's
+    alignment)."""
+    lo = run[0][1][2]
+    out = {}
+    for name, (dtype, shape, start, end) in run:
+        raw = block[start - lo:end - lo]
+        if (start - lo) % dtype.itemsize:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(shape)
+    return out
+
+
+_THREAD: list[ThreadPoolExecutor] = []
+
+
+def _reader_thread() -> ThreadPoolExecutor:
+    """One background thread for every reader's read-ahead (a daemon pool: it never holds up the exit)."""
+    if not _THREAD:
+        _THREAD.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="orin-read"))
+    return _THREAD[0]
 
 
 __all__ = ["BlockReader", "tensor_index"]

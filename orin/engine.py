@@ -158,6 +158,7 @@ class Engine:
                 except Cancelled:
                     log.info("request cancelled by the client after %d tokens", len(state.tokens))
             report = self._report(state, prompt, plan, measurement.report)
+            self._prepare_next(plan)
             self._settle_heap()
             yield Done(report)
 
@@ -218,10 +219,27 @@ class Engine:
 
     def _stage(self, plan: RequestPlan, comps: tuple[str, ...], next_comps: tuple[str, ...] = ()) -> None:
         """Make `comps` resident (the loader evicts and prefetches within the budget), then tell the observer."""
-        self.loader.stage(comps, plan.working(comps), next_comps, prefetch=self.cfg.prefetch)
+        self.loader.stage(comps, plan.working(comps), next_comps, prefetch=self.cfg.prefetch,
+                          later=self._later(plan, comps))
         self.decoders.weights_may_have_moved()
         self._notify(Staged(tuple(comps), self.loader.resident(), self.loader.allocated_bytes(),
                             self.loader.peak_bytes()))
+
+    def _prepare_next(self, plan: RequestPlan) -> None:
+        """Time-sliced, the next request of a stream is expected to be like this one: its first stage (the
+        encoders, where this request had audio or images) starts loading now, in the background, after the
+        speech side (needed last) makes room. Its bytes count in the next request's swaps."""
+        first = plan.verdict.schedule[0].resident if plan.verdict.schedule else ()
+        if plan.keeps_weights or not self.cfg.prefetch or all(self.loader.is_resident(c) for c in first):
+            return
+        self.loader.stage(first, plan.working(first), later=self._later(plan, first), wait=False)
+
+    @staticmethod
+    def _later(plan: RequestPlan, comps: tuple[str, ...]) -> tuple[str, ...]:
+        """The components the request's schedule needs after the stage that holds `comps`, in order of use."""
+        stages = [s.resident for s in plan.verdict.schedule]
+        here = next((i for i, s in enumerate(stages) if set(comps) <= set(s)), len(stages))
+        return tuple(dict.fromkeys(c for s in stages[here + 1:] for c in s if c not in comps))
 
     def _check(self, state: RequestState) -> None:
         self.loader.observe()
@@ -257,7 +275,13 @@ class Engine:
                     state.mark("image_encoded")
             self._check(state)
         state.mark("encoded")
-        self._stage(plan, think_comps, speak_after[0] if speak_after else ())
+        speech_here = tuple(c for c in think_comps if c != "thinker_text")
+        if speech_here and not plan.keeps_weights:
+            # The prefill needs the thinker alone: the speech side loads in the background meanwhile, and the
+            # talker's start waits for it (a swap of the talker no longer delays the first token).
+            self._stage(plan, ("thinker_text",), speech_here)
+        else:
+            self._stage(plan, think_comps, speak_after[0] if speak_after else ())
         state.mark("thinker_resident")
 
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
@@ -291,6 +315,7 @@ class Engine:
             done = (token == eos and not req.ignore_eos) or len(state.tokens) >= req.max_new_tokens
             if streaming:
                 if talker is None:
+                    self._stage(plan, think_comps)  # the speech side, prefetched since the prefill
                     talker = self._start_talker(state, talker_ctx, plan)
                 yield from self._advance_talker(state, talker, vocoder, thinker_done=done)
             self._check(state)
@@ -391,7 +416,7 @@ class Engine:
             device=str(self.device),
             schedule=tuple(plan.verdict.schedule),
             streaming_speech=bool(req.speech and req.stream_speech and plan.verdict.streaming),
-            swaps=self.loader.swaps(),
+            swaps=self.loader.take_swaps(),
             resident_after=self.loader.resident(),
             energy=energy,
             cancelled=state.cancelled(),

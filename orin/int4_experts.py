@@ -80,12 +80,18 @@ def _fuse_gate_up(
 
 
 # Experts converted to the kernel layout per call when loading: one conversion per batch instead of one per expert
-# (each is a dozen small kernels and their launches: loading was bound by them, not by reading); the batch's raw
-# and converted tensors are the load's transient memory (~90 MB for 32 of the real thinker's experts).
-LOAD_BATCH_EXPERTS = 32
+# (each is a dozen small kernels and their launches: loading was bound by them, not by reading). A batch holds
+# about LOAD_BATCH_BYTES of packed weights, the load's transient memory twice over (raw and converted): 33 of the
+# real thinker's experts, all 128 of a talker layer's. LOAD_BATCH_EXPERTS, where set, caps it (the tests).
+LOAD_BATCH_BYTES = 80 << 20
+LOAD_BATCH_EXPERTS: int | None = None
 # Experts convert as one layer stacked along the outputs where each expert's outputs fill whole kernel row tiles
 # (the CUDA int4pack layout tiles 8 rows, the CPU one blocks of rows): then the packed rows split per expert.
 BATCH_ROW_ALIGN = 64
+
+
+def _batch_keys(batch: range, prefix: str) -> list[str]:
+    return [f"{prefix}{e}.{p}.{k}" for e in batch for p in EXPERT_PROJS for k in GPTQ_KEYS]
 
 
 def convert_batch(layers: list[Mapping[str, torch.Tensor]], in_features: int, device: torch.device,
@@ -98,8 +104,9 @@ def convert_batch(layers: list[Mapping[str, torch.Tensor]], in_features: int, de
     shapes = {k: tuple(first[k].shape) for k in GPTQ_KEYS}
     N = shapes["scales"][1]
     joinable = len(layers) > 1 and N % BATCH_ROW_ALIGN == 0 and all(
-        {k: tuple(layer[k].shape) for k in GPTQ_KEYS} == shapes and torch.equal(layer["g_idx"], first["g_idx"])
-        for layer in layers[1:])
+        {k: tuple(layer[k].shape) for k in GPTQ_KEYS} == shapes for layer in layers[1:])
+    # one comparison (one device sync) for the whole batch's group layouts, not one per expert
+    joinable = joinable and bool(torch.stack([layer["g_idx"] for layer in layers]).eq(first["g_idx"]).all())
     if not joinable:
         kws = [to_kernel(layer, in_features, device, dtype, name) for layer in layers]
         k0 = kws[0]
@@ -170,10 +177,16 @@ class Int4Experts(nn.Module):
         if isinstance(source, Sequence) and len(source) != E:
             raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
         stacks: dict[str, torch.Tensor] = {}
-        for e0 in range(0, E, LOAD_BATCH_EXPERTS):
-            batch = range(e0, min(E, e0 + LOAD_BATCH_EXPERTS))
-            if hasattr(source, "read_block"):  # the loader's lazy view: the batch's tensors in one read
-                source.read_block([f"{prefix}{e}.{p}.{k}" for e in batch for p in EXPERT_PROJS for k in GPTQ_KEYS])
+        per_expert = 3 * self.hidden_dim * self.intermediate_dim // 2  # packed INT4 bytes of one expert
+        step = max(1, min(E, LOAD_BATCH_BYTES // max(per_expert, 1), LOAD_BATCH_EXPERTS or E))
+        for e0 in range(0, E, step):
+            batch = range(e0, min(E, e0 + step))
+            if hasattr(source, "read_block"):  # the loader's lazy view: the batch's tensors in one read, and the
+                # next batch's read started in the background while this one converts
+                source.read_block(_batch_keys(batch, prefix))
+                following = range(batch.stop, min(E, batch.stop + step))
+                if following:
+                    source.read_ahead(_batch_keys(following, prefix))
             gate_up, down = [], []
             for e in batch:
                 parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}

@@ -131,10 +131,16 @@ class Loader:
     # ------------------------------------------------------------------ the request's memory
 
     def begin_request(self) -> None:
-        """Forget the last request's swaps and start its peak from what is allocated now."""
-        with self._lock:  # a prefetch thread may be recording one
-            self._swaps.clear()
+        """Start the request's peak from what is allocated now. Its swaps are those since the last request's
+        `take_swaps` (a prefetch started after that request, for this one, counts here)."""
         self._memory.reset_peak()
+
+    def take_swaps(self) -> tuple[Swap, ...]:
+        """The swaps since the last call (the request's, for its report), forgotten here."""
+        with self._lock:  # a prefetch thread may be recording one
+            swaps = tuple(self._swaps)
+            self._swaps.clear()
+        return swaps
 
     def set_cache_bytes(self, nbytes: int) -> None:
         """The KV caches the running stage holds (counted on CPU, where torch keeps no allocator statistics)."""
@@ -151,7 +157,7 @@ class Loader:
         return self._memory.peak
 
     def swaps(self) -> tuple[Swap, ...]:
-        """The swaps since begin_request()."""
+        """The swaps since the last take_swaps()."""
         with self._lock:
             return tuple(self._swaps)
 
@@ -278,12 +284,16 @@ class Loader:
         return released
 
     def stage(self, comps: tuple[str, ...], working: int, next_comps: tuple[str, ...] = (),
-              prefetch: bool = True) -> None:
+              prefetch: bool = True, later: tuple[str, ...] = (), wait: bool = True) -> None:
         """Make `comps` resident with `working` bytes (KV caches, activations, margin) beside them, evicting other
-        components (in pipeline order) where the budget needs it; then start loading `next_comps` in the
-        background where they fit beside all that."""
+        components where the budget needs it; then start loading `next_comps` in the background where they fit
+        beside all that. `later`: the components the request still needs after this stage, in order of use.
+        Evicted first is what the request needs no more, then what it needs furthest ahead (so the thinker,
+        needed next, stays beside the encoders while the speech components make room, where that is enough).
+        `wait=False` makes the room and starts loading `comps` in the background instead."""
+        order = [c for c in C.PIPELINE if c not in later] + [c for c in reversed(later) if c in C.BY_NAME]
         if self.budget is not None:
-            for comp in C.PIPELINE:
+            for comp in order:
                 held, incoming = self._committed(comps)
                 if held + incoming + working <= self.budget:
                     break
@@ -293,6 +303,10 @@ class Loader:
             if held + incoming + working > self.budget:
                 raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident or arriving {held} + "
                                   f"loading {incoming} + working {working} bytes")
+        if not wait:  # between requests: the next one's first stage, loaded in the background
+            for c in comps:
+                self.prefetch(c)
+            return
         for c in comps:
             self.ensure(c)
         self._memory.observe()
@@ -303,6 +317,11 @@ class Loader:
                 continue
             if self.budget is None or sum(self._committed((c,))) + working <= self.budget:
                 self.prefetch(c)
+
+    def settle(self) -> None:
+        """Wait for the background loads under way (each then resident, or its error raised here)."""
+        for comp in list(self._pending):
+            self._pending.pop(comp).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -340,9 +359,14 @@ class _Relative(Mapping):
     def read_block(self, keys) -> None:
         """Read these keys (those the module has) together; each is handed out once, then dropped here."""
         if self._blocks is not None:
-            wanted = [self._prefix + k for k in keys if k in self._keys and k not in self._ready]
+            wanted = [self._prefix + k for k in keys if k in self._keys]
             n = len(self._prefix)
             self._ready.update((name[n:], t) for name, t in self._blocks.read(wanted).items())
+
+    def read_ahead(self, keys) -> None:
+        """Start reading these keys in the background; a later `read_block` of the same keys picks them up."""
+        if self._blocks is not None:
+            self._blocks.read_ahead([self._prefix + k for k in keys if k in self._keys])
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:

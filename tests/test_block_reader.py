@@ -49,3 +49,15 @@ def test_truncated_file_and_unknown_tensor_are_named(checkpoint):
     path.write_bytes(data[:-10])
     with pytest.raises(ModelError, match="truncated"):
         BlockReader(path, torch.device("cpu")).read(["f.flag"])
+
+
+def test_read_ahead_then_read_gives_the_same_tensors(checkpoint):
+    path, tensors = checkpoint
+    reader = BlockReader(path, torch.device("cpu"))
+    reader.read_ahead(["b.qweight", "c.scales"])
+    got = reader.read(["b.qweight", "c.scales"])  # picks up the background read
+    assert torch.equal(got["b.qweight"], tensors["b.qweight"]) and torch.equal(got["c.scales"], tensors["c.scales"])
+    reader.read_ahead(["e.weight"])
+    other = reader.read(["a.odd"])  # another read waits for the one in flight, then reads its own
+    assert torch.equal(other["a.odd"], tensors["a.odd"])
+    assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])

@@ -43,7 +43,9 @@ def _engine(model_dir, budget=None):
 
 
 def _assert_whole(engine):
-    """Each component is either wholly loaded (and counted resident) or wholly out."""
+    """Each component is either wholly loaded (and counted resident) or wholly out, once the background loads
+    under way (the next request's first stage) have landed."""
+    engine.loader.settle()
     loaded: dict[str, set[bool]] = {}
     for name, p in engine.loader.model.named_parameters():
         comp = C.component_of(name)
@@ -116,5 +118,27 @@ def test_eviction_refuses_while_something_still_holds_a_tensor(quantized_dir):
         with pytest.raises(RuntimeError, match="evicting code2wav: 1 of its .* still referenced"):
             engine.loader.evict("code2wav")
         del held
+    finally:
+        engine.close()
+
+
+def test_the_thinker_stays_while_the_speech_side_makes_room_for_the_encoders(quantized_dir, reference):
+    """The steady state of a stream of requests under a budget where the encoders fit beside the thinker once the
+    speech side is out: what makes room is the speech side (needed last), not the thinker (needed next), so
+    consecutive requests never reload the thinker (evicting in pipeline order reloaded it every request)."""
+    plans, outcomes = reference
+    engine = _engine(quantized_dir)
+    sizes = engine.loader.sizes()
+    engine.close()
+    # all-resident less most of the speech side: the encoders fit beside the thinker once speech makes room
+    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    engine = _engine(quantized_dir, budget)
+    try:
+        for i in range(3):
+            report, outcome = _outcome(engine, KINDS["av"])
+            assert outcome == outcomes["av"] and report.peak_bytes <= budget
+            moved = {s.component for s in report.swaps if s.direction == "in"}
+            if i:
+                assert "thinker_text" not in moved and moved, (i, report.swaps)
     finally:
         engine.close()
