@@ -18,31 +18,7 @@ from types import MappingProxyType
 
 from .errors import ModelError
 from .modelcfg import read_config_dict
-
-
-def _values(cls, data: Mapping, where: str, aliases: Mapping[str, str] = MappingProxyType({})) -> dict:
-    """`data`'s values for `cls`'s plain fields, the rope settings from `rope_parameters`, lists as tuples."""
-    from dataclasses import fields
-
-    names = {f.name for f in fields(cls)}
-    values = {}
-    for name in names - {"rope_theta", "mrope_section"}:
-        key = name if name in data else aliases.get(name, name)
-        if data.get(key) is not None:
-            value = data[key]
-            values[name] = tuple(value) if isinstance(value, list) else value
-    rope = data.get("rope_parameters") or {}
-    if not isinstance(rope, Mapping):
-        raise ModelError(f"{where}.rope_parameters must be an object, got {type(rope).__name__}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ModelError(f"{where}: rope_type {rope_type!r} is not supported (Qwen3-Omni's is 'default')")
-    theta = rope.get("rope_theta", data.get("rope_theta"))
-    if theta is not None and "rope_theta" in names:
-        values["rope_theta"] = float(theta)
-    if rope.get("mrope_section") is not None and "mrope_section" in names:
-        values["mrope_section"] = tuple(int(v) for v in rope["mrope_section"])
-    return values
+from .module_config import declared_values
 
 
 def _section(data: Mapping, key: str, where: str) -> Mapping:
@@ -81,7 +57,8 @@ class TextConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str, **defaults) -> TextConfig:
-        config = cls(**{**defaults, **_values(cls, data, where, {"num_experts": "num_local_experts"})})
+        declared = declared_values(cls, data, "default", where, {"num_experts": "num_local_experts"})
+        config = cls(**{**defaults, **declared})
         if config.head_dim is None:
             object.__setattr__(config, "head_dim", config.hidden_size // config.num_attention_heads)
         _check_heads(config, where)
@@ -118,7 +95,7 @@ class CodePredictorConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str) -> CodePredictorConfig:
-        config = cls(**_values(cls, data, where))
+        config = cls(**declared_values(cls, data, "default", where))
         _check_heads(config, where)
         return config
 

@@ -28,14 +28,25 @@ def activation(name: str, where: str) -> Callable:
     return ACTIVATIONS[name]
 
 
-def declared_values(cls, data: Mapping, rope_default: str | None = None, where: str = "") -> dict:
-    """The values `data` gives for `cls`'s fields (absent or null ones keep the dataclass default). With
-    `rope_default`, `rope_theta` is read from `rope_parameters` (or the section itself) and any rope type other
-    than that one is refused."""
+def declared_values(cls, data: Mapping, rope_default: str | None = None, where: str = "",
+                    aliases: Mapping[str, str] | None = None) -> dict:
+    """The values `data` gives for `cls`'s fields (absent or null ones keep the dataclass default; lists become
+    tuples, for frozen dataclasses; `aliases` maps a field to the other key it may be stored under). With
+    `rope_default`, `rope_theta` (and `mrope_section`, where `cls` has it) are read from `rope_parameters` (or
+    the section itself) and any rope type other than that one is refused."""
     names = {f.name for f in fields(cls)}
-    values = {k: data[k] for k in names - {"rope_theta"} if data.get(k) is not None}
+    aliases = aliases or {}
+    values = {}
+    for name in names - {"rope_theta", "mrope_section"}:
+        key = name if name in data else aliases.get(name, name)
+        if data.get(key) is not None:
+            values[name] = tuple(data[key]) if isinstance(data[key], list) else data[key]
     if rope_default is not None:
         rope = data.get("rope_parameters") or {}
+        if not isinstance(rope, Mapping):
+            raise ModelError(f"{where}.rope_parameters must be an object, got {type(rope).__name__}")
+        if rope.get("mrope_section") is not None and "mrope_section" in names:
+            values["mrope_section"] = tuple(int(v) for v in rope["mrope_section"])
         rope_type = rope.get("rope_type", rope.get("type", rope_default))
         if rope_type != rope_default:
             raise ModelError(f"{where}: rope_type {rope_type!r} is not supported (only {rope_default!r}); "
