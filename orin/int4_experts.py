@@ -62,23 +62,6 @@ class _Prefixed(Mapping):
         return sum(1 for _ in self)
 
 
-def _fuse_gate_up(
-    gate: Mapping[str, torch.Tensor], up: Mapping[str, torch.Tensor], device: torch.device, name: str
-) -> dict:
-    """One GPTQ layer [K=H, N=2I] from gate_proj and up_proj (gate outputs first, as HF's gate_up_proj)."""
-    fused = {}
-    for key in GPTQ_KEYS:
-        if key not in gate or key not in up:
-            raise ModelError(
-                f"{name}: {key} of gate_proj/up_proj missing from the checkpoint; re-run orin-omni quantize"
-            )
-        a, b = gate[key].to(device), up[key].to(device)
-        if key == "g_idx" and not torch.equal(a, b):
-            raise ModelError(f"{name}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
-        fused[key] = a if key == "g_idx" else torch.cat([a, b], dim=1)
-    return fused
-
-
 # Experts converted to the kernel layout per call when loading: one conversion per batch instead of one per expert
 # (each is a dozen small kernels and their launches: loading was bound by them, not by reading). A batch holds
 # about LOAD_BATCH_BYTES of packed weights, the load's transient memory twice over (raw and converted): 33 of the
@@ -94,27 +77,49 @@ def _batch_keys(batch: range, prefix: str) -> list[str]:
     return [f"{prefix}{e}.{p}.{k}" for e in batch for p in EXPERT_PROJS for k in GPTQ_KEYS]
 
 
-def convert_batch(layers: list[Mapping[str, torch.Tensor]], in_features: int, device: torch.device,
+def _batch_tensors(source, batch: range, prefix: str, device: torch.device, name: str, where: str):
+    """A batch of experts' GPTQ tensors stacked per key: (gate_up, down), each {key: [b, ...]}, gate_up with each
+    expert's gate outputs then its up outputs (HF's gate_up_proj order). Gathering is per expert; every tensor
+    operation is per batch (a few stacks and concatenations, one device sync for the group layouts)."""
+    raw: dict[str, dict[str, list]] = {p: {k: [] for k in GPTQ_KEYS} for p in EXPERT_PROJS}
+    for e in batch:
+        for p in EXPERT_PROJS:
+            tensors = _expert_tensors(source, e, p, prefix)
+            for k in GPTQ_KEYS:
+                if k not in tensors:
+                    raise ModelError(f"{name}.{e}.{p}.{k} missing from the checkpoint; re-run orin-omni quantize")
+                raw[p][k].append(tensors[k])
+    try:
+        st = {p: {k: torch.stack([t.to(device) for t in ts]) for k, ts in raw[p].items()} for p in EXPERT_PROJS}
+    except RuntimeError as exc:  # stack refuses tensors of different shapes
+        raise ModelError(f"{where}: the experts of one layer are stored with different shapes ({exc}); "
+                         "re-quantize") from exc
+    gate, up = st["gate_proj"], st["up_proj"]
+    if gate["g_idx"].shape != up["g_idx"].shape or not bool(gate["g_idx"].eq(up["g_idx"]).all()):
+        raise ModelError(f"{where}: gate_proj and up_proj were quantized with different group layouts; re-quantize")
+    gate_up = {k: torch.cat([gate[k], up[k]], dim=2) for k in ("qweight", "qzeros", "scales")}
+    gate_up["g_idx"] = gate["g_idx"]
+    return gate_up, st["down_proj"]
+
+
+def convert_batch(stacked: Mapping[str, torch.Tensor], in_features: int, device: torch.device,
                   dtype: torch.dtype, name: str) -> KernelWeight:
-    """The GPTQ tensors of several experts' same-shaped layers in kernel form, stacked: weight [b, ...],
-    scales_and_zeros [b, ...], each expert's exactly what `to_kernel` gives it alone (tests compare them). One
-    conversion of the layers joined along their outputs where each expert's outputs fill whole row tiles and
-    share their group layout; else one conversion each."""
-    first = layers[0]
-    shapes = {k: tuple(first[k].shape) for k in GPTQ_KEYS}
-    N = shapes["scales"][1]
-    joinable = len(layers) > 1 and N % BATCH_ROW_ALIGN == 0 and all(
-        {k: tuple(layer[k].shape) for k in GPTQ_KEYS} == shapes for layer in layers[1:])
+    """Several experts' same-shaped GPTQ layers, stacked per key ([b, ...] each), in kernel form, stacked:
+    weight [b, ...], scales_and_zeros [b, ...], each expert's exactly what `to_kernel` gives it alone (tests
+    compare them). One conversion of the layers joined along their outputs where each expert's outputs fill whole
+    row tiles and share their group layout; else one conversion each."""
+    b, N = stacked["scales"].shape[0], stacked["scales"].shape[2]
+    g_idx = stacked["g_idx"]
     # one comparison (one device sync) for the whole batch's group layouts, not one per expert
-    joinable = joinable and bool(torch.stack([layer["g_idx"] for layer in layers]).eq(first["g_idx"]).all())
+    joinable = b > 1 and N % BATCH_ROW_ALIGN == 0 and bool(g_idx.eq(g_idx[:1]).all())
     if not joinable:
-        kws = [to_kernel(layer, in_features, device, dtype, name) for layer in layers]
+        kws = [to_kernel({k: v[i] for k, v in stacked.items()}, in_features, device, dtype, name) for i in range(b)]
         k0 = kws[0]
         return KernelWeight(torch.stack([k.weight for k in kws]), torch.stack([k.scales_and_zeros for k in kws]),
                             k0.kernel_group, k0.group, k0.K_run, k0.N)
-    b = len(layers)
-    joined = {k: torch.cat([layer[k] for layer in layers], dim=1) for k in ("qweight", "qzeros", "scales")}
-    joined["g_idx"] = first["g_idx"]
+    # [b, rows, n] -> [rows, b * n]: the experts side by side along the outputs
+    joined = {k: stacked[k].transpose(0, 1).reshape(stacked[k].shape[1], -1) for k in ("qweight", "qzeros", "scales")}
+    joined["g_idx"] = g_idx[0]
     kw = to_kernel(joined, in_features, device, dtype, name)
     weight = kw.weight.view(b, kw.weight.shape[0] // b, *kw.weight.shape[1:])
     sz = kw.scales_and_zeros.view(kw.scales_and_zeros.shape[0], b, N, 2).transpose(0, 1).contiguous()
@@ -187,19 +192,11 @@ class Int4Experts(nn.Module):
                 following = range(batch.stop, min(E, batch.stop + step))
                 if following:
                     source.read_ahead(_batch_keys(following, prefix))
-            gate_up, down = [], []
-            for e in batch:
-                parts = {p: _expert_tensors(source, e, p, prefix) for p in EXPERT_PROJS}
-                for p in EXPERT_PROJS:
-                    if "qweight" not in parts[p]:
-                        raise ModelError(f"{name}.{e}.{p}.qweight missing from the checkpoint; re-run orin-omni "
-                                         "quantize")
-                gate_up.append(_fuse_gate_up(parts["gate_proj"], parts["up_proj"], device, f"{name}.{e}"))
-                down.append({k: parts["down_proj"][k].to(device) for k in GPTQ_KEYS if k in parts["down_proj"]})
             where = f"{name}.{batch.start}-{batch.stop - 1}"
-            for key, layers, k_in, n_out in (("gate_up", gate_up, self.hidden_dim, 2 * self.intermediate_dim),
-                                             ("down", down, self.intermediate_dim, self.hidden_dim)):
-                kw = convert_batch(layers, k_in, device, dtype, f"{where}.{key}")
+            gate_up, down = _batch_tensors(source, batch, prefix, device, name, where)
+            for key, stacked, k_in, n_out in (("gate_up", gate_up, self.hidden_dim, 2 * self.intermediate_dim),
+                                              ("down", down, self.intermediate_dim, self.hidden_dim)):
+                kw = convert_batch(stacked, k_in, device, dtype, f"{where}.{key}")
                 if kw.N != n_out:
                     raise ModelError(f"{where}: expert output sizes in the checkpoint do not match the model's "
                                      f"(H={self.hidden_dim}, I={self.intermediate_dim})")
@@ -215,7 +212,7 @@ class Int4Experts(nn.Module):
                 stacks[f"{key}_packed"][batch.start:batch.stop].copy_(kw.weight)
                 stacks[f"{key}_scales_and_zeros"][batch.start:batch.stop].copy_(kw.scales_and_zeros)
                 self.group_size = kw.group
-            del gate_up, down, parts
+            del gate_up, down
         for key, value in stacks.items():
             setattr(self, key, value)
         self._views = None
