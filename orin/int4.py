@@ -112,7 +112,8 @@ class Int4Linear(nn.Module):
         self.group_size, self.kernel_group_size = kw.group, kw.kernel_group
         self.padded_in_features, self.padded_out_features = kw.K_run, kw.N_pad
         self.layout = device.type
-        self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype) if self.has_bias else None
+        # a private copy: the tensor given may be a view of a larger block read (orin.block_reader)
+        self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype, copy=True) if self.has_bias else None
         return self
 
     def unload_(self) -> None:

@@ -188,7 +188,7 @@ class Loader:
         return tensor.numel() * tensor.element_size()
 
     def _load_now(self, component: str) -> int:
-        from .int4 import load_int4_module
+        from .int4 import Int4Linear, load_int4_module
 
         total = 0
         shells = {p: m for p, m in self.shells.items() if C.component_of(p + ".") == component}
@@ -197,9 +197,17 @@ class Loader:
             with source.open(self.device) as reader:
                 for key, file_keys in source.plain.items():
                     total += self._assign(key, _read_plain(reader, key, file_keys))
-                for path, int4 in source.int4_modules.items():
+                modules = list(source.int4_modules.items())
+                for i, (path, int4) in enumerate(modules):
                     shell = shells[path]
                     tensors = _Relative(reader, int4.file_prefix, int4.keys, blocks)
+                    if isinstance(shell, Int4Linear):
+                        # a Linear's tensors in one read, and the next Linear's read started while this one
+                        # converts (experts batch their own reads)
+                        tensors.read_block(list(tensors))
+                        following = modules[i + 1] if i + 1 < len(modules) else None
+                        if following is not None and isinstance(shells[following[0]], Int4Linear):
+                            blocks.read_ahead(following[1].keys)
                     load_int4_module(shell, tensors, self.device, self.dtype, name=path)
                     total += _module_bytes(shell)
         missing = [n for n, p in self.model.named_parameters()
