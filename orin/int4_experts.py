@@ -182,16 +182,14 @@ class Int4Experts(nn.Module):
         if isinstance(source, Sequence) and len(source) != E:
             raise ModelError(f"{name}: {len(source)} experts given, the model has {E}")
         stacks: dict[str, torch.Tensor] = {}
-        per_expert = 3 * self.hidden_dim * self.intermediate_dim // 2  # packed INT4 bytes of one expert
-        step = max(1, min(E, LOAD_BATCH_BYTES // max(per_expert, 1), LOAD_BATCH_EXPERTS or E))
+        step = self.load_batch()
         for e0 in range(0, E, step):
             batch = range(e0, min(E, e0 + step))
             if hasattr(source, "read_block"):  # the loader's lazy view: the batch's tensors in one read, and the
                 # next batch's read started in the background while this one converts
                 source.read_block(_batch_keys(batch, prefix))
-                following = range(batch.stop, min(E, batch.stop + step))
-                if following:
-                    source.read_ahead(_batch_keys(following, prefix))
+                # (after the last batch: nothing of this module; the loader's view then reads the next module's)
+                source.read_ahead(_batch_keys(range(batch.stop, min(E, batch.stop + step)), prefix))
             where = f"{name}.{batch.start}-{batch.stop - 1}"
             gate_up, down = _batch_tensors(source, batch, prefix, device, name, where)
             for key, stacked, k_in, n_out in (("gate_up", gate_up, self.hidden_dim, 2 * self.intermediate_dim),
@@ -218,6 +216,16 @@ class Int4Experts(nn.Module):
         self._views = None
         self.layout = device.type
         return self
+
+    def load_batch(self) -> int:
+        """Experts read and converted together when loading (LOAD_BATCH_BYTES of packed weights)."""
+        per_expert = 3 * self.hidden_dim * self.intermediate_dim // 2  # packed INT4 bytes of one expert
+        return max(1, min(self.num_experts, LOAD_BATCH_BYTES // max(per_expert, 1),
+                          LOAD_BATCH_EXPERTS or self.num_experts))
+
+    def first_read_keys(self) -> list[str]:
+        """The checkpoint keys (relative to the module) its load reads first: its first batch."""
+        return _batch_keys(range(self.load_batch()), "")
 
     def unload_(self) -> None:
         """Drop the packed buffers (the module becomes an empty shell again)."""

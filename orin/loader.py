@@ -200,14 +200,13 @@ class Loader:
                 modules = list(source.int4_modules.items())
                 for i, (path, int4) in enumerate(modules):
                     shell = shells[path]
-                    tensors = _Relative(reader, int4.file_prefix, int4.keys, blocks)
+                    # the next module's first read starts once this one has read all it needs (a Linear: at
+                    # once; experts: with their last batch), so reading overlaps converting across modules too
+                    then = _first_read(shells, modules[i + 1]) if i + 1 < len(modules) else []
+                    tensors = _Relative(reader, int4.file_prefix, int4.keys, blocks, then)
                     if isinstance(shell, Int4Linear):
-                        # a Linear's tensors in one read, and the next Linear's read started while this one
-                        # converts (experts batch their own reads)
-                        tensors.read_block(list(tensors))
-                        following = modules[i + 1] if i + 1 < len(modules) else None
-                        if following is not None and isinstance(shells[following[0]], Int4Linear):
-                            blocks.read_ahead(following[1].keys)
+                        tensors.read_block(list(tensors))  # a Linear's tensors in one read
+                        tensors.read_ahead([])
                     load_int4_module(shell, tensors, self.device, self.dtype, name=path)
                     total += _module_bytes(shell)
         missing = [n for n, p in self.model.named_parameters()
@@ -348,6 +347,17 @@ def _read_plain(reader, key: str, file_keys: list[str]) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def _first_read(shells: dict, module) -> list[str]:
+    """The file keys an INT4 module's load reads first: all of a Linear's, an experts module's first batch."""
+    from .int4 import Int4Experts
+
+    path, int4 = module
+    shell = shells[path]
+    if isinstance(shell, Int4Experts):
+        return [f"{int4.file_prefix}.{k}" for k in shell.first_read_keys()]
+    return list(int4.keys)
+
+
 def _module_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers() if b is not None)
 
@@ -357,9 +367,10 @@ class _Relative(Mapping):
     read from the open safetensors file only when the module asks for them, one at a time or, announced with
     `read_block`, many in one read (orin.block_reader)."""
 
-    def __init__(self, reader, path: str, keys: list[str], blocks=None):
+    def __init__(self, reader, path: str, keys: list[str], blocks=None, then: list[str] = ()):
         self._reader = reader
         self._blocks = blocks
+        self._then = then
         self._prefix = path + "."
         self._keys = dict.fromkeys(k[len(self._prefix):] for k in keys)  # ordered, and O(1) to look up
         self._ready: dict[str, torch.Tensor] = {}
@@ -372,9 +383,12 @@ class _Relative(Mapping):
             self._ready.update((name[n:], t) for name, t in self._blocks.read(wanted).items())
 
     def read_ahead(self, keys) -> None:
-        """Start reading these keys in the background; a later `read_block` of the same keys picks them up."""
+        """Start reading these keys in the background; a later `read_block` of the same keys picks them up. With
+        no keys (the module has read all it needs), the next module's first read (`then`, file keys) instead."""
         if self._blocks is not None:
-            self._blocks.read_ahead([self._prefix + k for k in keys if k in self._keys])
+            names = [self._prefix + k for k in keys if k in self._keys] if keys else list(self._then)
+            if names:
+                self._blocks.read_ahead(names)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:

@@ -61,3 +61,29 @@ def test_read_ahead_then_read_gives_the_same_tensors(checkpoint):
     other = reader.read(["a.odd"])  # another read waits for the one in flight, then reads its own
     assert torch.equal(other["a.odd"], tensors["a.odd"])
     assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
+
+
+def test_the_loader_reads_each_int4_module_ahead_of_its_conversion(quantized_dir, monkeypatch):
+    """Loading a component, every INT4 module's first read but the first one's was started in the background
+    while the module before it converted (none is read twice: an unused read-ahead would be)."""
+    from orin.block_reader import BlockReader as Reader
+    from orin.checkpoint import Checkpoint
+    from orin.loader import Loader
+
+    served, direct = [], []
+    read = Reader.read
+
+    def spy(self, names):
+        hit = self._ahead is not None and self._ahead[0] == frozenset(names)
+        (served if hit else direct).append(len(names))
+        return read(self, names)
+
+    monkeypatch.setattr(Reader, "read", spy)
+    ckpt = Checkpoint.open(quantized_dir)
+    loader = Loader(ckpt, torch.device("cpu"), torch.float32)
+    try:
+        loader.ensure("thinker_text")
+    finally:
+        loader.close()
+    modules = [m for m in ckpt.quantized_modules if m.startswith("thinker.model.language_model.")]
+    assert len(modules) > 2 and len(direct) == 1 and len(served) >= len(modules) - 1
