@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
 from .int4pack import int4_mm
+from .text_model import topk_routing
 
 log = logging.getLogger("orin.decoder_layer")
 
@@ -100,10 +101,9 @@ def _rope(x, cos, sin):
 def _route(h, spec: LayerSpec, w: dict):
     """HF's top-k router: softmax in float32, top-k, renormalised, in h's dtype."""
     logits = F.linear(h, w["router"])
-    if spec.triton_moe:  # one kernel for softmax and top-k (orin.kernels.router)
-        top_w, top_i = torch.ops.orin.softmax_topk(logits, spec.top_k)
-    else:
-        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), spec.top_k, dim=-1)
+    if not spec.triton_moe:
+        return topk_routing(logits, spec.top_k, spec.norm_topk)
+    top_w, top_i = torch.ops.orin.softmax_topk(logits, spec.top_k)  # one kernel for softmax and top-k
     if spec.norm_topk:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w.to(h.dtype), top_i

@@ -16,8 +16,9 @@ The loader's protocol (the model skeleton is built on the meta device):
 2. For each shell, ``load_int4_module(module, tensors, device, dtype)`` where ``tensors`` maps the checkpoint keys
    *relative to the module path* (``int4_tensor_keys(module)`` lists them: ``qweight``... for a Linear,
    ``{e}.gate_proj.qweight``... for experts) to tensors. ``tensors`` may be a lazy Mapping over ``safe_open``:
-   experts read one expert at a time, so the transient memory is one expert's (one layer's for a Linear), and the
-   result is written straight into its final buffer on ``device``. Passing tensors already on ``device`` makes the
+   experts are read and converted a batch at a time (``orin.int4_experts.LOAD_BATCH_BYTES``), so the transient
+   memory is one batch's (one layer's for a Linear), and the result is written into its final buffer on
+   ``device``. Passing tensors already on ``device`` makes the
    unpacking run there (fastest on the GPU).
 3. To swap a segment out, ``unload_int4_module(module)`` drops the buffers (or ``module.to(...)`` moves them;
    they run again once back on the device type they were packed for).

@@ -174,8 +174,9 @@ class Int4Experts(nn.Module):
         prefix: str = "",
     ) -> Int4Experts:
         """Fill from per-expert GPTQ tensors: ``source[e]['gate_proj'|'up_proj'|'down_proj'] -> {qweight, ...}``,
-        or a flat mapping with keys ``f"{prefix}{e}.gate_proj.qweight"`` (lazy mappings are read one expert at a
-        time; each expert is converted on ``device`` and copied into its slot of the stacked buffers)."""
+        or a flat mapping with keys ``f"{prefix}{e}.gate_proj.qweight"`` (lazy mappings are read a batch of experts
+        at a time, `load_batch()`; each batch is converted on ``device`` in one call and copied into its slots of
+        the stacked buffers)."""
         device = torch.device(device)
         self.unload_()  # never hold the old and the new buffers at once
         E = self.num_experts

@@ -105,6 +105,15 @@ class MLP(nn.Module):
         self.act_fn = act
 
 
+def topk_routing(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' top-k routing of router logits [T, E]: softmax in float32, top-k, renormalised where
+    norm_topk, the weights back in the logits' dtype -> (top_k_weights, top_k_index)."""
+    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    if norm_topk:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(logits.dtype), top_i
+
+
 class Router(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -114,14 +123,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top_k_weights, top_k_index) of h [T, H], as transformers' router computes them (softmax in float32,
-        top-k, renormalised where norm_topk_prob, back in the logits' dtype). orin.decoder_layer routes inside
-        its layer function; this is the router alone, for the experts' checks and the kernel benchmark."""
-        logits = F.linear(h, self.weight)
-        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return top_w.to(logits.dtype), top_i
+        """(top_k_weights, top_k_index) of h [T, H]. orin.decoder_layer routes inside its layer function (the
+        same topk_routing, or its Triton kernel); this is the router alone, for the experts' checks and the kernel
+        benchmark."""
+        return topk_routing(F.linear(h, self.weight), self.top_k, self.norm_topk_prob)
 
 
 class Experts(nn.Module):
