@@ -77,14 +77,14 @@ class BlockReader:
             self._pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         return self._pinned
 
-    def _runs(self, names) -> list[list]:
+    def _runs(self, names, max_gap: int = MAX_GAP) -> list[list]:
         try:
             entries = sorted(((n, self.index[n]) for n in set(names)), key=lambda item: item[1][2])
         except KeyError as exc:
             raise ModelError(f"{self.path}: has no tensor {exc}; the checkpoint is incomplete") from exc
         runs: list[list] = []
         for item in entries:
-            if runs and item[1][2] - runs[-1][-1][1][3] <= MAX_GAP:
+            if runs and item[1][2] - runs[-1][-1][1][3] <= max_gap:
                 runs[-1].append(item)
             else:
                 runs.append([item])
@@ -110,22 +110,26 @@ class BlockReader:
                 at += hi - lo
         return out
 
-    def read_ahead(self, names) -> None:
+    def read_ahead(self, names, max_gap: int = MAX_GAP) -> None:
         """Start reading `names` from disk in the background (at most one such read: a second is ignored)."""
-        runs = self._runs(names)
-        if self._ahead is None and sum(hi - lo for lo, hi in map(self._span, runs)) <= MAX_BLOCK:
-            self._ahead = (frozenset(names), _reader_thread().submit(self._read_host, runs))
+        runs = self._runs(names, max_gap)
+        size = sum(hi - lo for lo, hi in map(self._span, runs))
+        if self._ahead is None and size <= MAX_BLOCK:
+            # pinned here, on the loading thread: the reading thread then makes no CUDA call (orin.cuda_gate)
+            self._buffer(size)
+            self._ahead = (frozenset(names), max_gap, _reader_thread().submit(self._read_host, runs))
 
-    def read(self, names) -> dict[str, torch.Tensor]:
-        """The named tensors on the device (views of one block per run: see the module doc)."""
+    def read(self, names, max_gap: int = MAX_GAP) -> dict[str, torch.Tensor]:
+        """The named tensors on the device (views of one block per run: see the module doc). `max_gap`: the
+        most bytes between two tensors read as one run (0 where views must not keep other bytes alive)."""
         key = frozenset(names)
         if self._ahead is not None:
-            ahead, future = self._ahead
+            ahead, gap, future = self._ahead
             self._ahead = None
             host_runs = future.result()  # the buffer is free again only once it has landed
-            if ahead == key:
+            if ahead == key and gap == max_gap:
                 return self._to_device(host_runs)
-        runs = self._runs(names)
+        runs = self._runs(names, max_gap)
         if sum(hi - lo for lo, hi in map(self._span, runs)) <= MAX_BLOCK:
             return self._to_device(self._read_host(runs))
         out: dict[str, torch.Tensor] = {}

@@ -2,8 +2,10 @@
 
 Module names are orin.model's, which are transformers 5.23's (thinker.model.language_model, thinker.model.visual,
 ...), so quantize (on transformers' modules) and the runtime (on orin-omni's own) name the same tensors alike. A
-component is the unit the loader swaps; a segment is a group of components quantized and stored
-together (one directory each in the quantized checkpoint).
+component is what a stage of a request needs whole; a segment is a group of components quantized and stored
+together (one directory each in the quantized checkpoint). The loader swaps units: a decoder's layers one by
+one and the rest of it (embeddings, norms, heads) as one, so under a tight budget the thinker gives up a few
+layers to the speech side instead of leaving whole and coming back whole for every request.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ class Component:
     title: str
     prefixes: tuple[str, ...]  # parameter-name prefixes that belong to it
     excludes: tuple[str, ...] = ()  # sub-prefixes that belong to another component
+    layers: str = ""  # the prefix of its decoder layers, each a unit of its own; "": the component is one unit
 
 
 COMPONENTS: tuple[Component, ...] = (
-    Component("thinker_text", "thinker text decoder", ("thinker.model.language_model.", "thinker.lm_head.")),
+    Component("thinker_text", "thinker text decoder", ("thinker.model.language_model.", "thinker.lm_head."),
+              layers="thinker.model.language_model.layers."),
     Component("audio_encoder", "audio encoder", ("thinker.model.audio_tower.",)),
     Component("vision_encoder", "vision encoder", ("thinker.model.visual.",)),
-    Component("talker", "talker", ("talker.",), excludes=("talker.code_predictor.",)),
+    Component("talker", "talker", ("talker.",), excludes=("talker.code_predictor.",), layers="talker.model.layers."),
     Component("code_predictor", "code predictor", ("talker.code_predictor.",)),
     Component("code2wav", "code2wav", ("code2wav.",)),
 )
@@ -59,6 +63,30 @@ def component_of(param_name: str) -> str | None:
         if param_name.startswith(comp.prefixes) and not param_name.startswith(comp.excludes or ("\0",)):
             return comp.name
     return None
+
+
+def unit_of(param_name: str) -> str | None:
+    """The unit a parameter (or buffer, or module path with a trailing dot) belongs to: "thinker_text/7" for
+    the thinker's layer 7, "thinker_text" for the rest of it, a component's name where it is one unit."""
+    comp = component_of(param_name)
+    if comp is None:
+        return None
+    prefix = BY_NAME[comp].layers
+    if prefix and param_name.startswith(prefix):
+        index, _, _ = param_name[len(prefix):].partition(".")
+        if index.isdigit():
+            return f"{comp}/{index}"
+    return comp
+
+
+def unit_component(unit: str) -> str:
+    return unit.partition("/")[0]
+
+
+def unit_sort_key(unit: str) -> tuple[int, int]:
+    """Pipeline order of components; within one, the rest first, then its layers in order."""
+    comp, _, index = unit.partition("/")
+    return PIPELINE.index(comp), int(index) + 1 if index else 0
 
 
 def parse_segments(spec: str | None) -> dict[str, tuple[str, ...]]:

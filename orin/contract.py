@@ -53,17 +53,21 @@ class AudioChunk:
 
 @dataclass(frozen=True)
 class Swap:
-    """A component moved in or out of device memory."""
+    """A component moved in or out of device memory: all of it, or `units` of its `of_units` (a decoder's
+    layers each are one; orin.components)."""
 
     component: str
     direction: str  # "in" or "out"
     bytes: int
     seconds: float
     background: bool = False
+    units: int = 1
+    of_units: int = 1
 
     def to_json(self) -> dict:
         return {"component": self.component, "direction": self.direction, "bytes": self.bytes,
-                "seconds": round(self.seconds, 6), "background": self.background}
+                "seconds": round(self.seconds, 6), "background": self.background, "units": self.units,
+                "of_units": self.of_units}
 
 
 @dataclass(frozen=True)

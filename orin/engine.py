@@ -58,9 +58,8 @@ class RequestPlan:
     # Prefill graphs only where the weights stay put between requests: time-sliced, each request would capture
     # anew (four prefills' work for one replay) and the graph's memory pool is not in the budget.
     keeps_weights: bool
-
-    def working(self, comps: tuple[str, ...]) -> int:
-        return max([self.act.get(c, 0) for c in comps] or [0]) + sum(self.kv.get(c, 0) for c in comps) + self.margin
+    stages: object  # orin.residency.StagePlan: the loader's stagings for this request, in order
+    streaming: bool  # the talker speaks while the thinker decodes
 
 
 class Engine:
@@ -85,7 +84,7 @@ class Engine:
         self.config = self.ckpt.config
         self.sizes = size_model(self.config, self.ckpt.spec, self.ckpt.split, dtype_bytes=self.dtype.itemsize)
         self.loader = Loader(self.ckpt, self.device, self.dtype, cfg.budget,
-                             estimates={c: s.runtime_int4_bytes for c, s in self.sizes.components.items()},
+                             estimates={u: b for s in self.sizes.components.values() for u, b in s.units.items()},
                              on_swap=self._notify)
         self.model = self.loader.model
         self.processor = Processor.from_dir(cfg.model_dir)
@@ -201,7 +200,8 @@ class Engine:
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit
+        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, working_bytes
+        from .residency import stage_plan
 
         n = prompt.length
         tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": 0, "prompt": n,
@@ -215,31 +215,26 @@ class Engine:
         margin = RUNTIME_MARGIN if self.device.type == "cuda" else 0
         verdict = decide(self.loader.sizes(), kv, act, self._needed(req, prompt), budget, margin)
         require_fit(verdict)
-        return RequestPlan(verdict, kv, act, margin, keeps_weights=verdict.all_resident)
+        streaming = req.speech and req.stream_speech and verdict.streaming
+        stages = stage_plan([s.resident for s in verdict.schedule], verdict.needed,
+                            lambda comps: working_bytes(comps, kv, act, margin), streaming, req.speech,
+                            keeps_weights=verdict.all_resident, prefetch=self.cfg.prefetch)
+        return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming)
 
-    def _stage(self, plan: RequestPlan, comps: tuple[str, ...], next_comps: tuple[str, ...] = ()) -> None:
-        """Make `comps` resident (the loader evicts and prefetches within the budget), then tell the observer."""
-        self.loader.stage(comps, plan.working(comps), next_comps, prefetch=self.cfg.prefetch,
-                          later=self._later(plan, comps))
+    def _stage(self, call) -> None:
+        """Make the call's components resident (the loader evicts and prefetches within the budget), then tell
+        the observer."""
+        self.loader.stage(call)
         self.decoders.weights_may_have_moved()
-        self._notify(Staged(tuple(comps), self.loader.resident(), self.loader.allocated_bytes(),
+        self._notify(Staged(call.comps, self.loader.resident(), self.loader.allocated_bytes(),
                             self.loader.peak_bytes()))
 
     def _prepare_next(self, plan: RequestPlan) -> None:
         """Time-sliced, the next request of a stream is expected to be like this one: its first stage (the
         encoders, where this request had audio or images) starts loading now, in the background, after the
         speech side (needed last) makes room. Its bytes count in the next request's swaps."""
-        first = plan.verdict.schedule[0].resident if plan.verdict.schedule else ()
-        if plan.keeps_weights or not self.cfg.prefetch or all(self.loader.is_resident(c) for c in first):
-            return
-        self.loader.stage(first, plan.working(first), later=self._later(plan, first), wait=False)
-
-    @staticmethod
-    def _later(plan: RequestPlan, comps: tuple[str, ...]) -> tuple[str, ...]:
-        """The components the request's schedule needs after the stage that holds `comps`, in order of use."""
-        stages = [s.resident for s in plan.verdict.schedule]
-        here = next((i for i, s in enumerate(stages) if set(comps) <= set(s)), len(stages))
-        return tuple(dict.fromkeys(c for s in stages[here + 1:] for c in s if c not in comps))
+        if plan.stages.next is not None:
+            self.loader.stage(plan.stages.next)
 
     def _check(self, state: RequestState) -> None:
         self.loader.observe()
@@ -250,42 +245,32 @@ class Engine:
     def _pipeline(self, state: RequestState, prompt, plan: RequestPlan) -> Iterator:
         import torch
 
+        from .cuda_gate import GATE
         from .thinker import Detokenizer, TextEmbeddings, Thinker
         from .vocoder import Vocoder
 
         req = state.req
-        verdict = plan.verdict
-        stages = [s.resident for s in verdict.schedule]
-        streaming = req.speech and req.stream_speech and verdict.streaming
-        think_comps = next(s for s in stages if "thinker_text" in s)
-        speak_after = list(stages[stages.index(think_comps) + 1:])
+        streaming = plan.streaming
         inputs = {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
-        encoders = tuple(c for c in ("audio_encoder", "vision_encoder") if c in verdict.needed)
 
         audio_feats, image_feats = None, None
-        enc_stages = [s for s in stages if s and set(s) <= set(encoders)]
-        for i, comps in enumerate(enc_stages):
-            self._stage(plan, comps, enc_stages[i + 1] if i + 1 < len(enc_stages) else think_comps)
+        for call in plan.stages.encode:
+            self._stage(call)
             with self.meter.stage("encode"):
-                if "audio_encoder" in comps:
+                if "audio_encoder" in call.comps:
                     audio_feats = self.thinker.encode_audio(inputs, prompt, graph=plan.keeps_weights)
                     state.mark("audio_encoded")
-                if "vision_encoder" in comps:
+                if "vision_encoder" in call.comps:
                     image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
                     state.mark("image_encoded")
             self._check(state)
         state.mark("encoded")
-        speech_here = tuple(c for c in think_comps if c != "thinker_text")
-        if speech_here and not plan.keeps_weights:
-            # The prefill needs the thinker alone: the speech side loads in the background meanwhile, and the
-            # talker's start waits for it (a swap of the talker no longer delays the first token).
-            self._stage(plan, ("thinker_text",), speech_here)
-        else:
-            self._stage(plan, think_comps, speak_after[0] if speak_after else ())
+        self._stage(plan.stages.think)
         state.mark("thinker_resident")
 
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
-        with self.meter.stage("thinker_prefill"):
+        # the prefill's launches take the GIL and the GPU back from a background load (orin.cuda_gate)
+        with self.meter.stage("thinker_prefill"), GATE:
             merged = self.thinker.merge(inputs, prompt, audio_feats, image_feats)
             state.mark("merged")
             decoder, hidden_states, logits = self.thinker.prefill(merged, prompt.length + req.max_new_tokens,
@@ -315,7 +300,7 @@ class Engine:
             done = (token == eos and not req.ignore_eos) or len(state.tokens) >= req.max_new_tokens
             if streaming:
                 if talker is None:
-                    self._stage(plan, think_comps)  # the speech side, prefetched since the prefill
+                    self._stage(plan.stages.join)  # the speech side, prefetched since the prefill
                     talker = self._start_talker(state, talker_ctx, plan)
                 yield from self._advance_talker(state, talker, vocoder, thinker_done=done)
             self._check(state)
@@ -333,22 +318,24 @@ class Engine:
         if not req.speech:
             return
         if talker is None:
-            one_at_a_time = len(speak_after) > 1
-            self._stage(plan, ("talker", "code_predictor") if one_at_a_time else C.SPEECH_COMPONENTS,
-                        next_comps=("code2wav",) if one_at_a_time else ())
+            talk, *vocode = plan.stages.speak
+            self._stage(talk)
             talker = self._start_talker(state, talker_ctx, plan)
-            if one_at_a_time:
+            if vocode:
                 # One component at a time: collect every frame first, then vocode.
                 yield from self._advance_talker(state, talker, None, thinker_done=True, until_end=True)
-                self._stage(plan, ("code2wav",))
+                self._stage(vocode[0])
                 yield from vocoder.feed(state.frames, final=True)
                 return
         yield from self._advance_talker(state, talker, vocoder, thinker_done=True, until_end=True)
         yield from vocoder.feed([], final=True)
 
     def _ensure_code2wav(self, plan: RequestPlan) -> None:
+        from .plan import working_bytes
+        from .residency import StageCall
+
         if not self.loader.is_resident("code2wav"):
-            self._stage(plan, ("code2wav",))
+            self._stage(StageCall(("code2wav",), working_bytes(("code2wav",), plan.kv, plan.act, plan.margin)))
 
     # ------------------------------------------------------------------ talker
 
@@ -415,7 +402,7 @@ class Engine:
             budget_bytes=self.cfg.budget,
             device=str(self.device),
             schedule=tuple(plan.verdict.schedule),
-            streaming_speech=bool(req.speech and req.stream_speech and plan.verdict.streaming),
+            streaming_speech=plan.streaming,
             swaps=self.loader.take_swaps(),
             resident_after=self.loader.resident(),
             energy=energy,

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from .cuda_gate import GATE
 from .decoder_layer import decoder_layer
 
 log = logging.getLogger("orin.graph_runner")
@@ -95,7 +96,7 @@ class GraphRunner:
                 fn(layer)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with GATE, torch.cuda.graph(graph, pool=self.pool):
             out = fn(layer)
         return graph, out
 

@@ -3,9 +3,12 @@
 The model skeleton is built once with every parameter on the meta device (buffers, a few MiB of rotary tables
 and offsets, are real). A component is loaded by reading its tensors straight from safetensors onto the target
 device and assigning them into the skeleton; INT4 modules are converted from their GPTQ tensors one module (one
-batch of experts) at a time, so no component is ever held twice. Swapping out replaces the tensors with meta tensors, frees them and
-empties the allocator cache: the Orin's memory is unified, so "offloading to CPU" would free nothing, and
-swapping in is a read from storage.
+batch of experts) at a time, so no component is ever held twice. Swapping out replaces the tensors with meta
+tensors, frees them and empties the allocator cache: the Orin's memory is unified, so "offloading to CPU" would
+free nothing, and swapping in is a read from storage.
+
+What moves is units (orin.components: a decoder's layers one by one, the rest of a component whole): a stage
+gets its components whole, and what gives way for it is decided by orin.residency, unit by unit.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ import torch
 from torch import nn
 
 from . import components as C
+from . import residency
 from .block_reader import BlockReader
 from .checkpoint import Checkpoint
 from .contract import Swap
+from .cuda_gate import GATE
 from .errors import BudgetError, ModelError
 from .hub_names import expert_part, to_runtime
 
 log = logging.getLogger("orin.loader")
+# Plain (BF16) tensors are read this many bytes at a time: one read and one device copy per batch, the next batch
+# read meanwhile; a batch is also the longest a capture or a prefill waits for the loading thread (orin.cuda_gate).
+PLAIN_BATCH_BYTES = 64 << 20
 
 
 @contextlib.contextmanager
@@ -88,6 +96,7 @@ class Loader:
     def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  budget: int | None = None, estimates: dict[str, int] | None = None,
                  on_swap: Callable[[Swap], None] | None = None):
+        """`estimates`: the bytes each unit will take once loaded (the planner's), used until it has been."""
         from .int4 import convert_for_runtime
         from .model import OmniModel
 
@@ -104,9 +113,16 @@ class Loader:
                 if buf is not None and buf.device.type != "meta":
                     buf_owner._buffers[name] = buf.to(device)
         self.model = model
-        self._memory = MemoryTracker(device)
-        # bytes a component will take once loaded: the planner's figures until it has been loaded once
+        self._units: dict[str, list[str]] = {c: [] for c in C.NAMES}
+        for name in [n for n, _ in model.named_parameters()] + [p + "." for p in self.shells]:
+            unit = C.unit_of(name)
+            if unit is not None and unit not in self._units[C.unit_component(unit)]:
+                self._units[C.unit_component(unit)].append(unit)
+        for units in self._units.values():
+            units.sort(key=C.unit_sort_key)
+        self._memory = MemoryTracker(device)  # its `resident`: bytes per resident unit
         self._estimates = dict(estimates or {})
+        self._measured: dict[str, int] = {}
         self._on_swap = on_swap
         self._swaps: list[Swap] = []
         self._lock = threading.Lock()
@@ -116,17 +132,33 @@ class Loader:
     # ------------------------------------------------------------------ state
 
     def resident(self) -> tuple[str, ...]:
-        return tuple(c for c in C.NAMES if c in self._memory.resident)
+        """The components wholly resident."""
+        return tuple(c for c in C.NAMES if self.is_resident(c))
+
+    def resident_units(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(sorted(self._memory.resident, key=C.unit_sort_key))
 
     def resident_bytes(self) -> int:
         return sum(self._memory.resident.values())
 
     def is_resident(self, component: str) -> bool:
-        return component in self._memory.resident
+        units = self._units[component]
+        return bool(units) and all(u in self._memory.resident for u in units)
+
+    def units(self, component: str) -> tuple[str, ...]:
+        return tuple(self._units[component])
+
+    def unit_sizes(self) -> dict[str, int]:
+        """Bytes each unit takes on the device: measured where it has been loaded, else the estimate."""
+        with self._lock:
+            return {**self._estimates, **self._measured}
 
     def sizes(self) -> dict[str, int]:
-        """Bytes each component takes on the device: measured where it has been loaded, else the estimate."""
-        return {**self._estimates, **self._memory.resident}
+        """Bytes each component takes on the device (its units' sizes), where every unit's is known."""
+        known = self.unit_sizes()
+        return {c: sum(known[u] for u in units) for c, units in self._units.items()
+                if units and all(u in known for u in units)}
 
     # ------------------------------------------------------------------ the request's memory
 
@@ -182,52 +214,76 @@ class Loader:
             module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
         elif name in module._buffers:
             buf = module._buffers[name]
-            module._buffers[name] = tensor.to(buf.dtype) if buf is not None and buf.is_floating_point() else tensor
+            # a copy: a view would keep the whole block it was read in alive past the unit's eviction
+            module._buffers[name] = (tensor.to(buf.dtype) if buf is not None and buf.is_floating_point()
+                                     else tensor).clone()
         else:
             raise ModelError(f"{key}: the model has no such tensor; the checkpoint is for another model")
         return tensor.numel() * tensor.element_size()
 
-    def _load_now(self, component: str) -> int:
+    def _load_units(self, component: str, units: set[str]) -> dict[str, int]:
+        """Load these units of `component`; the bytes each now holds."""
         from .int4 import Int4Linear, load_int4_module
 
-        total = 0
-        shells = {p: m for p, m in self.shells.items() if C.component_of(p + ".") == component}
+        got = dict.fromkeys(units, 0)
+        shells = {p: m for p, m in self.shells.items() if C.unit_of(p + ".") in units}
         for source in self.ckpt.sources(component):
             blocks = BlockReader(source.path, self.device)
             with source.open(self.device) as reader:
-                for key, file_keys in source.plain.items():
-                    total += self._assign(key, _read_plain(reader, key, file_keys))
-                modules = list(source.int4_modules.items())
+                modules = [(p, m) for p, m in source.int4_modules.items() if p in shells]
+                plain = [(k, fks) for k, fks in source.plain.items() if C.unit_of(k) in got]
+                batches = _plain_batches(blocks, plain)
+                for i, batch in enumerate(batches):
+                    with GATE:  # a batch in one read (the next one read meanwhile), views of one device block
+                        # no gaps: a view must not keep bytes of other tensors (or other units) alive
+                        tensors = blocks.read([k for _, fks in batch for k in fks], max_gap=0)
+                        if i + 1 < len(batches):
+                            blocks.read_ahead([k for _, fks in batches[i + 1] for k in fks], max_gap=0)
+                        elif modules:
+                            blocks.read_ahead(_first_read(shells, modules[0]))
+                        for key, file_keys in batch:
+                            got[C.unit_of(key)] += self._assign(
+                                key, _assemble(key, file_keys, [tensors.pop(k) for k in file_keys]))
                 for i, (path, int4) in enumerate(modules):
                     shell = shells[path]
                     # the next module's first read starts once this one has read all it needs (a Linear: at
                     # once; experts: with their last batch), so reading overlaps converting across modules too
                     then = _first_read(shells, modules[i + 1]) if i + 1 < len(modules) else []
                     tensors = _Relative(reader, int4.file_prefix, int4.keys, blocks, then)
-                    if isinstance(shell, Int4Linear):
-                        tensors.read_block(list(tensors))  # a Linear's tensors in one read
-                        tensors.read_ahead([])
-                    load_int4_module(shell, tensors, self.device, self.dtype, name=path)
-                    total += _module_bytes(shell)
-        missing = [n for n, p in self.model.named_parameters()
-                   if C.component_of(n) == component and p.device.type == "meta"]
+                    with GATE:
+                        if isinstance(shell, Int4Linear):
+                            tensors.read_block(list(tensors))  # a Linear's tensors in one read
+                            tensors.read_ahead([])
+                        load_int4_module(shell, tensors, self.device, self.dtype, name=path)
+                    got[C.unit_of(path + ".")] += _module_bytes(shell)
+        missing = [n for n, p in self.model.named_parameters() if C.unit_of(n) in units and p.device.type == "meta"]
         if missing:
             raise ModelError(f"the checkpoint lacks {len(missing)} tensor(s) of {component}, e.g. {missing[0]}; "
                              "re-run orin-omni quantize")
-        return total
+        return got
+
+    def _missing(self, component: str) -> list[str]:
+        return [u for u in self._units[component] if u not in self._memory.resident]
 
     def _load_timed(self, component: str, background: bool) -> None:
         start = time.perf_counter()
-        nbytes = self._load_now(component)
+        units = self._missing(component)
+        got = self._load_units(component, set(units))
         with self._lock:
-            self._memory.resident[component] = nbytes
-        self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background))
+            self._memory.resident.update(got)
+            self._measured.update(got)
+        if self.budget is not None:
+            self._trim()  # what a load's blocks could not reuse of the cache
+        nbytes = sum(got.values())
+        self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background, len(units),
+                          len(self._units[component])))
         self._memory.observe()
-        log.info("swap in  %-15s %10d bytes %.3f s%s", component, nbytes, time.perf_counter() - start,
-                 " (prefetch)" if background else "")
+        log.info("swap in  %-15s %10d bytes %.3f s%s (%d of %d units)", component, nbytes,
+                 time.perf_counter() - start, " (prefetch)" if background else "", len(units),
+                 len(self._units[component]))
 
     def ensure(self, component: str) -> None:
-        """Make `component` resident (waiting for a prefetch of it, if one is running)."""
+        """Make `component` wholly resident (waiting for a prefetch of it, if one is running)."""
         pending = self._pending.pop(component, None)
         if pending is not None:
             pending.result()
@@ -235,95 +291,128 @@ class Loader:
             self._load_timed(component, background=False)
 
     def prefetch(self, component: str) -> None:
-        """Start loading `component` in the background; the caller has checked the budget allows it."""
+        """Start loading what `component` lacks in the background; the caller has checked the budget allows it."""
         if self.is_resident(component) or component in self._pending:
             return
         self._pending[component] = self._pool.submit(self._load_timed, component, True)
 
     def evict(self, component: str) -> None:
-        from .int4 import unload_int4_module
-
+        """Swap out every unit of `component` that is resident."""
         pending = self._pending.pop(component, None)
         if pending is not None:
             pending.result()
-        if not self.is_resident(component):
+        self.evict_units([u for u in self._units[component] if u in self._memory.resident])
+
+    def evict_units(self, units: list[str]) -> None:
+        """Swap these units out (waiting first for a prefetch that is loading them), freeing their memory."""
+        from .int4 import unload_int4_module
+
+        for comp in dict.fromkeys(C.unit_component(u) for u in units):
+            pending = self._pending.pop(comp, None)
+            if pending is not None:
+                pending.result()
+        gone = {u for u in units if u in self._memory.resident}
+        if not gone:
             return
         start = time.perf_counter()
         # Weak references to every tensor given up: once they are all dead, the memory is the allocator's again.
         # (Comparing memory_allocated before and after cannot tell: a prefetch thread may be loading the next
         # component meanwhile, which made a clean eviction look half-done.)
-        released = self._release_parameters(component)
+        released: dict[str, list[weakref.ref]] = {}
+        for name, ref in self._release_parameters(gone):
+            released.setdefault(C.unit_component(C.unit_of(name)), []).append(ref)
         for path, shell in self.shells.items():
-            if C.component_of(path + ".") == component:
-                released.extend(weakref.ref(b) for b in shell.buffers() if b is not None)
+            if C.unit_of(path + ".") in gone:
+                released.setdefault(C.component_of(path + "."), []).extend(
+                    weakref.ref(b) for b in shell.buffers() if b is not None)
                 unload_int4_module(shell)
-        gc.collect()
-        alive = sum(ref() is not None for ref in released)
-        if alive:
-            raise RuntimeError(f"evicting {component}: {alive} of its {len(released)} tensors are still referenced "
-                               "elsewhere, so their memory is not freed")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if any(ref() is not None for refs in released.values() for ref in refs):
+            gc.collect()  # only where a reference cycle may hold one: a full collection costs tens of ms
+        for comp, refs in released.items():
+            alive = sum(ref() is not None for ref in refs)
+            if alive:
+                raise RuntimeError(f"evicting {comp}: {alive} of its {len(refs)} tensors are still referenced "
+                                   "elsewhere, so their memory is not freed")
+        self._trim()
+        seconds = time.perf_counter() - start
+        freed: dict[str, list[int]] = {}
         with self._lock:
-            nbytes = self._memory.resident.pop(component)
-        self._record(Swap(component, "out", nbytes, time.perf_counter() - start))
-        log.info("swap out %-15s %10d bytes %.3f s", component, nbytes, time.perf_counter() - start)
+            for unit in sorted(gone, key=C.unit_sort_key):
+                freed.setdefault(C.unit_component(unit), []).append(self._memory.resident.pop(unit))
+        for comp, sizes in freed.items():
+            self._record(Swap(comp, "out", sum(sizes), seconds, units=len(sizes), of_units=len(self._units[comp])))
+            log.info("swap out %-15s %10d bytes %.3f s (%d of %d units)", comp, sum(sizes), seconds, len(sizes),
+                     len(self._units[comp]))
 
-    def _committed(self, comps: tuple[str, ...]) -> tuple[int, int]:
-        """(bytes resident or arriving by a prefetch already started, bytes `comps` still need loaded), one
-        consistent snapshot: a prefetch landing between two separate reads would be counted twice."""
+    def _trim(self) -> None:
+        """Give the allocator's cached blocks back where the process holds more than its budget (or always,
+        without one). Kept otherwise, for the next load: returning them (cudaFree, each synchronising the device)
+        took 0.3-0.4 s an eviction on an H200."""
+        if self.device.type == "cuda" and (self.budget is None
+                                           or torch.cuda.memory_reserved(self.device) > self.budget):
+            with GATE:  # never during another thread's capture
+                torch.cuda.empty_cache()
+
+    def _held(self) -> dict[str, int]:
+        """Bytes per unit resident or arriving by a prefetch already started, one consistent snapshot: a prefetch
+        landing between two separate reads would be counted twice."""
+        sizes = self.unit_sizes()
         with self._lock:
-            resident = dict(self._memory.resident)
-        sizes = {**self._estimates, **resident}
-        arriving = [c for c in self._pending if c not in resident]
-        held = sum(resident.values()) + sum(sizes[c] for c in arriving)
-        return held, sum(sizes[c] for c in comps if c not in resident and c not in arriving)
+            held = dict(self._memory.resident)
+        for comp in self._pending:
+            for unit in self._units[comp]:
+                held.setdefault(unit, sizes[unit])
+        return held
 
-    def _release_parameters(self, component: str) -> list[weakref.ref]:
-        """Replace the component's parameters with meta ones; weak references to the ones given up."""
+    def _incoming(self, held: dict[str, int], comps: tuple[str, ...]) -> int:
+        sizes = self.unit_sizes()
+        return sum(sizes[u] for c in comps for u in self._units[c] if u not in held)
+
+    def _release_parameters(self, units: set[str]) -> list[tuple[str, weakref.ref]]:
+        """Replace the units' parameters with meta ones; weak references to the ones given up, by name."""
         released = []
         for name, param in list(self.model.named_parameters()):
-            if C.component_of(name) == component and param.device.type != "meta":
+            if C.unit_of(name) in units and param.device.type != "meta":
                 module_path, _, attr = name.rpartition(".")
-                released.append(weakref.ref(param))
+                released.append((name, weakref.ref(param)))
                 self.model.get_submodule(module_path)._parameters[attr] = nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
         return released
 
-    def stage(self, comps: tuple[str, ...], working: int, next_comps: tuple[str, ...] = (),
-              prefetch: bool = True, later: tuple[str, ...] = (), wait: bool = True) -> None:
-        """Make `comps` resident with `working` bytes (KV caches, activations, margin) beside them, evicting other
-        components where the budget needs it; then start loading `next_comps` in the background where they fit
-        beside all that. `later`: the components the request still needs after this stage, in order of use.
-        Evicted first is what the request needs no more, then what it needs furthest ahead (so the thinker,
-        needed next, stays beside the encoders while the speech components make room, where that is enough).
-        `wait=False` makes the room and starts loading `comps` in the background instead."""
-        order = [c for c in C.PIPELINE if c not in later] + [c for c in reversed(later) if c in C.BY_NAME]
+    def stage(self, call: residency.StageCall) -> None:
+        """Make `call.comps` wholly resident with `call.working` bytes (KV caches, activations, margin) beside
+        them, evicting what orin.residency says gives way where the budget needs room; then start loading
+        `call.next_comps` in the background where they fit once what the request needs no more gives way.
+        `call.wait=False` makes the room and starts loading `call.comps` in the background instead."""
+        comps, working = call.comps, call.working
         if self.budget is not None:
-            for comp in order:
-                held, incoming = self._committed(comps)
-                if held + incoming + working <= self.budget:
-                    break
-                if (self.is_resident(comp) or comp in self._pending) and comp not in comps:
-                    self.evict(comp)
-            held, incoming = self._committed(comps)
-            if held + incoming + working > self.budget:
-                raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident or arriving {held} + "
-                                  f"loading {incoming} + working {working} bytes")
-        if not wait:  # between requests: the next one's first stage, loaded in the background
+            held = self._held()
+            order = residency.eviction_order(held, comps, call.later)
+            gone = residency.to_evict(held, self._incoming(held, comps), working, self.budget, order)
+            if gone:
+                self.evict_units(gone)
+            held = self._held()
+            incoming = self._incoming(held, comps)
+            if sum(held.values()) + incoming + working > self.budget:
+                raise BudgetError(f"cannot fit {', '.join(comps)} in the budget: resident or arriving "
+                                  f"{sum(held.values())} + loading {incoming} + working {working} bytes")
+        if not call.wait:  # between requests: the next one's first stage, loaded in the background
             for c in comps:
                 self.prefetch(c)
             return
         for c in comps:
             self.ensure(c)
         self._memory.observe()
-        if not prefetch:
-            return
-        for c in next_comps:
+        for c in call.next_comps:
             if self.is_resident(c) or c in self._pending:
                 continue
-            if self.budget is None or sum(self._committed((c,))) + working <= self.budget:
-                self.prefetch(c)
+            if self.budget is not None:
+                held = self._held()
+                gone = residency.prefetch_room(held, self._incoming(held, (c,)), call, self.budget)
+                if gone is None:
+                    continue
+                self.evict_units(gone)
+            self.prefetch(c)
 
     def settle(self) -> None:
         """Wait for the background loads under way (each then resident, or its error raised here)."""
@@ -334,17 +423,37 @@ class Loader:
         self._pool.shutdown(wait=True)
 
 
-def _read_plain(reader, key: str, file_keys: list[str]) -> torch.Tensor:
+def _assemble(key: str, file_keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:
     """One runtime parameter from its file tensors: the tensor itself, or a fused experts tensor stacked from
     one weight per expert as the hub stores them (gate_up_proj [E, 2I, H]: each expert's gate rows, then up)."""
-    if len(file_keys) == 1 and expert_part(to_runtime(file_keys[0])) is None:
-        return reader.get_tensor(file_keys[0])
-    parts = [reader.get_tensor(k) for k in file_keys]
+    if len(parts) == 1 and expert_part(to_runtime(file_keys[0])) is None:
+        return parts[0]
     if key.endswith(".gate_up_proj"):
         if len(parts) % 2:
             raise ModelError(f"{key}: the checkpoint has an expert's gate_proj without its up_proj")
         return torch.stack([torch.cat(parts[i:i + 2], dim=0) for i in range(0, len(parts), 2)])
     return torch.stack(parts)
+
+
+def _plain_batches(blocks: BlockReader, plain: list[tuple[str, list[str]]],
+                   limit: int = PLAIN_BATCH_BYTES) -> list[list[tuple[str, list[str]]]]:
+    """The plain tensors unit by unit, in file order, in batches of about `limit` bytes (one read each). A batch
+    never spans two units: its tensors are views of one device block, which lives until the last of them goes."""
+    def order(item):
+        return C.unit_sort_key(C.unit_of(item[0])), min(blocks.index[k][2] for k in item[1])
+
+    def size(item):
+        return sum(blocks.index[k][3] - blocks.index[k][2] for k in item[1])
+
+    batches: list[list] = []
+    held, unit = 0, None
+    for item in sorted(plain, key=order):
+        if not batches or held + size(item) > limit or C.unit_of(item[0]) != unit:
+            batches.append([])
+            held, unit = 0, C.unit_of(item[0])
+        batches[-1].append(item)
+        held += size(item)
+    return batches
 
 
 def _first_read(shells: dict, module) -> list[str]:

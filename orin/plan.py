@@ -90,6 +90,7 @@ class ComponentSize:
     quantized_params: int
     runtime_int4_bytes: int  # resident after conversion to torch's int4pack layout (bf16 elsewhere)
     targets: int
+    units: dict[str, int] = field(default_factory=dict)  # runtime bytes per unit (orin.components.unit_of)
 
     def to_json(self) -> dict:
         return {
@@ -161,31 +162,41 @@ def meta_model(config):
 def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dtype_bytes: int = 2) -> ModelSizes:
     model = meta_model(config)
     params = {c: 0 for c in C.NAMES}
+    unit_params: dict[str, int] = {}
     for name, p in model.named_parameters():
-        comp = C.component_of(name)
-        if comp is not None:
-            params[comp] += p.numel()
+        unit = C.unit_of(name)
+        if unit is not None:
+            params[C.unit_component(unit)] += p.numel()
+            unit_params[unit] = unit_params.get(unit, 0) + p.numel()
     targets = find_targets(model, spec)
     g = spec.group_size
     q_params = {c: 0 for c in C.NAMES}
     q_file = {c: 0 for c in C.NAMES}
     q_run = {c: 0 for c in C.NAMES}
     n_targets = {c: 0 for c in C.NAMES}
+    unit_q: dict[str, tuple[int, int]] = {}  # unit -> (quantized params, their runtime bytes)
     padded_layers: dict[tuple[int, int], int] = {}
     for t in targets:
-        q_params[t.component] += target_param_count(t)
+        n, run = target_param_count(t), target_runtime_bytes(t, g, scale_bytes=dtype_bytes)  # scales: compute dtype
+        q_params[t.component] += n
         q_file[t.component] += target_file_bytes(t, g)
-        q_run[t.component] += target_runtime_bytes(t, g, scale_bytes=dtype_bytes)  # scales in the compute dtype
+        q_run[t.component] += run
         n_targets[t.component] += 1
+        unit = C.unit_of(t.path + ".")
+        old = unit_q.get(unit, (0, 0))
+        unit_q[unit] = (old[0] + n, old[1] + run)
         for _, k, _n, _b in t.linears():
             if k % g:
                 padded_layers[(k, padded(k, g))] = padded_layers.get((k, padded(k, g)), 0) + 1
+    units = {u: (n - unit_q.get(u, (0, 0))[0]) * dtype_bytes + unit_q.get(u, (0, 0))[1] for u, n in unit_params.items()}
     comps = {}
     for c in C.NAMES:
         rest = params[c] - q_params[c]
         comps[c] = ComponentSize(
             name=c, params=params[c], bf16_bytes=params[c] * 2, int4_bytes=rest * 2 + q_file[c],
             quantized_params=q_params[c], runtime_int4_bytes=rest * dtype_bytes + q_run[c], targets=n_targets[c],
+            units={u: b for u, b in sorted(units.items(), key=lambda kv: C.unit_sort_key(kv[0]))
+                   if C.unit_component(u) == c},
         )
     pads = [{"in_features": k, "padded_in_features": kp, "layers": n} for (k, kp), n in sorted(padded_layers.items())]
     return ModelSizes(comps, segments, spec, model_dims(config), pads)
@@ -277,6 +288,12 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     return out
 
 
+def working_bytes(comps: tuple[str, ...], kv: dict, act: dict, margin: int) -> int:
+    """What a stage holding `comps` needs beside their weights: their KV caches, the largest of their
+    activations, and the runtime margin."""
+    return max([act.get(c, 0) for c in comps] or [0]) + sum(kv.get(c, 0) for c in comps) + margin
+
+
 # ---------------------------------------------------------------- residency
 
 
@@ -361,6 +378,23 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
 # ---------------------------------------------------------------- the command
 
 
+def steady_state(sizes: ModelSizes, kv: dict, act: dict, verdict: Verdict, budget: int,
+                 margin: int = RUNTIME_MARGIN, requests: int = 3) -> list[list]:
+    """The loader's moves (orin.residency.Moves per staging) over `requests` consecutive requests like this
+    one, from nothing resident: the first request loads what it needs, the last is the steady state. Empty
+    where the request does not fit."""
+    from .residency import simulate, stage_plan
+
+    if not verdict.time_sliced:
+        return []
+    stages = stage_plan([s.resident for s in verdict.schedule], verdict.needed,
+                        lambda comps: working_bytes(comps, kv, act, margin), verdict.streaming,
+                        speech=any(c in verdict.needed for c in C.SPEECH_COMPONENTS),
+                        keeps_weights=verdict.all_resident)
+    units = {u: b for c in sizes.components.values() for u, b in c.units.items()}
+    return simulate(stages.calls(), units, budget, requests)
+
+
 @dataclass
 class PlanResult:
     cfg: PlanConfig
@@ -371,6 +405,7 @@ class PlanResult:
     act: dict
     verdict: Verdict
     quantized: bool = True
+    stream: list = field(default_factory=list)  # steady_state(): moves per staging of consecutive requests
 
     def to_json(self) -> dict:
         s = self.sizes
@@ -400,6 +435,8 @@ class PlanResult:
             },
             "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
             "schedule": [st.to_json() for st in v.schedule],
+            "stream": [{"bytes_loaded": sum(m.loaded() for m in r), "stagings": [m.to_json() for m in r]}
+                       for r in self.stream],
             "all_resident_bytes": v.all_resident_bytes,
             "min_budget_bytes": v.min_budget,
             "peak_bytes": v.peak_bytes,
@@ -438,7 +475,8 @@ def make_plan(cfg: PlanConfig) -> PlanResult:
     sizes = size_model(config, spec, segments)
     req = request_from(cfg)
     tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget)
-    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict)
+    stream = steady_state(sizes, kv, act, verdict, cfg.budget)
+    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict, stream=stream)
 
 
 def require_fit(verdict: Verdict) -> None:
@@ -483,4 +521,26 @@ def render_plan(result: PlanResult) -> str:
               f"{format_bytes(j['min_budget_bytes'])}"]
     for st in result.verdict.schedule:
         lines.append(f"  stage {st.name:<12} {format_bytes(st.bytes):>12}  resident: {', '.join(st.resident)}")
+    if result.stream:
+        lines += _render_stream(result)
     return "\n".join(lines)
+
+
+def _render_stream(result: PlanResult) -> list[str]:
+    first, steady = result.stream[0], result.stream[-1]
+    units = {n: len(c.units) for n, c in result.sizes.components.items()}
+
+    def moved(m, kind: str) -> str:
+        counts = m.units[kind]
+        return ", ".join(f"{c} {format_bytes(b)}" + (f" ({counts[c]} of {units[c]} units)" if counts[c] < units[c]
+                                                      else "") for c, b in m.bytes[kind].items())
+
+    total = sum(m.loaded() for m in steady)
+    lines = ["", f"a stream of such requests loads {format_bytes(total)} per request in the steady state (the first "
+                 f"request {format_bytes(sum(m.loaded() for m in first))}), staging by staging:"]
+    names = {"in": "in", "ahead": "in the background", "out": "out"}
+    for m in steady:
+        what = "+".join(m.call.comps) + (" (next request)" if not m.call.wait else "")
+        parts = [f"{names[k]}: {moved(m, k)}" for k in ("out", "in", "ahead") if m.bytes[k]]
+        lines.append(f"  {what:<44} {'; '.join(parts) or 'nothing moves'}")
+    return lines

@@ -63,20 +63,24 @@ def test_read_ahead_then_read_gives_the_same_tensors(checkpoint):
     assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
 
 
-def test_the_loader_reads_each_int4_module_ahead_of_its_conversion(quantized_dir, monkeypatch):
-    """Loading a component, every INT4 module's first read but the first one's was started in the background
-    while the module before it converted (none is read twice: an unused read-ahead would be)."""
+def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, monkeypatch):
+    """Loading a component: its plain tensors come in batches, one read each, and every read but the very first
+    (plain batches and each INT4 module's first read) was started in the background while the batch or module
+    before it was assigned or converted (none is read twice: an unused read-ahead would be)."""
     from orin.block_reader import BlockReader as Reader
     from orin.checkpoint import Checkpoint
     from orin.loader import Loader
 
-    served, direct = [], []
+    served, direct, plain = [], [], []
     read = Reader.read
 
-    def spy(self, names):
+    def spy(self, names, max_gap=None):
+        kw = {} if max_gap is None else {"max_gap": max_gap}
         hit = self._ahead is not None and self._ahead[0] == frozenset(names)
         (served if hit else direct).append(len(names))
-        return read(self, names)
+        if max_gap == 0:
+            plain.append(names)
+        return read(self, names, **kw)
 
     monkeypatch.setattr(Reader, "read", spy)
     ckpt = Checkpoint.open(quantized_dir)
@@ -86,4 +90,8 @@ def test_the_loader_reads_each_int4_module_ahead_of_its_conversion(quantized_dir
     finally:
         loader.close()
     modules = [m for m in ckpt.quantized_modules if m.startswith("thinker.model.language_model.")]
-    assert len(modules) > 2 and len(direct) == 1 and len(served) >= len(modules) - 1
+    plain_keys = [k for src in ckpt.sources("thinker_text") for fks in src.plain.values() for k in fks]
+    assert sorted(k for names in plain for k in names) == sorted(plain_keys)
+    # a batch per unit at least (the rest, each layer), fewer reads than tensors
+    assert len(loader.units("thinker_text")) <= len(plain) < len(plain_keys)
+    assert len(modules) > 2 and len(direct) == 1 and len(served) >= len(modules) + len(plain) - 1

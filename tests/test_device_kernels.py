@@ -236,3 +236,49 @@ def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
         assert torch.equal(again, codes) and torch.equal(emb_again, emb)
         assert predictor.runner.captures == captures + 1
         del squatter
+
+
+def test_a_capture_waits_for_the_background_load_under_way(cuda_engine):
+    """A decoder graph captured while the prefetch thread loads another component (the thinker re-captures its
+    step after taking a layer back, while the speech side arrives): the capture and the load take turns
+    (orin.cuda_gate) instead of one failing with 'operation not permitted when stream is capturing'."""
+    import torch
+
+    engine = cuda_engine
+    model = engine.model
+    predictor = engine.decoders.code_predictor
+    H = model.config.talker_config.text_config.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    with torch.inference_mode():
+        engine.loader.ensure("code_predictor")
+        past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
+        first = model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
+        codes, emb = (t.clone() for t in predictor.run(past, first))
+        captures = predictor.runner.captures
+        for _ in range(3):
+            engine.loader.evict("talker")
+            engine.loader.prefetch("talker")
+            predictor.runner.release()  # the next run captures while the talker loads
+            again, emb_again = predictor.run(past, first)
+            engine.loader.settle()
+            assert torch.equal(again, codes) and torch.equal(emb_again, emb)
+        assert predictor.runner.captures == captures + 3 and engine.loader.is_resident("talker")
+
+
+def test_no_two_units_share_a_device_block(cuda_engine):
+    """Plain tensors are views of the block they were read in (BF16 on CUDA: no copy): a block must hold one
+    unit's tensors only, or evicting that unit would free nothing while another unit's view pins the block."""
+    from orin import components as C
+
+    engine = cuda_engine
+    engine.loader.ensure("thinker_text")
+    engine.loader.ensure("talker")
+    owner: dict[int, str] = {}
+    shared = 0
+    for name, p in engine.model.named_parameters():
+        unit = C.unit_of(name)
+        if unit is None or p.device.type != "cuda" or C.unit_component(unit) not in ("thinker_text", "talker"):
+            continue
+        ptr = p.untyped_storage().data_ptr()
+        shared += owner.setdefault(ptr, unit) != unit
+    assert shared == 0

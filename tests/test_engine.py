@@ -274,11 +274,14 @@ def test_prefetch_counts_the_prefetches_it_has_queued(quantized_dir):
     """Two next components that each fit beside the stage but not together: only the first is prefetched (a
     queued prefetch lands later, so the budget check must count it itself: on the H200 the 18 GiB run went over
     its budget by prefetching code_predictor and code2wav together)."""
+    from orin.residency import StageCall
+
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=1 << 40))
     try:
         est = eng.loader.sizes()
         eng.loader.budget = est["thinker_text"] + est["code_predictor"] + est["code2wav"] - 1
-        eng.loader.stage(("thinker_text",), working=0, next_comps=("code_predictor", "code2wav"))
+        eng.loader.stage(StageCall(("thinker_text",), 0, next_comps=("code_predictor", "code2wav"),
+                                   later=("code_predictor", "code2wav")))
         eng.loader.ensure("code_predictor")  # waits for the prefetch
         assert eng.loader.is_resident("code_predictor") and not eng.loader.is_resident("code2wav")
         assert "code2wav" not in eng.loader._pending

@@ -1,7 +1,8 @@
 """The time-sliced loader at every budget (issue 15), on the tiny INT4 model on CPU: from the least budget the
 planner accepts for a mix of requests up to all-resident, several consecutive requests each (text only, speech,
 image + audio + speech), every request gives the all-resident text, tokens, codec frames and samples, the peak
-stays under the budget, and no component is ever left half-loaded. On CPU the loader counts the engine's tensors
+stays under the budget, and no unit (a decoder layer, or the rest of a component) is ever left half-loaded. What
+moves is what orin.residency, the policy `plan` prints, says moves. On CPU the loader counts the engine's tensors
 exactly (weights and KV caches), so the peak compared is that count."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from orin import components as C
 from orin.contract import AudioChunk, Done, GenerationRequest
 from orin.engine import Engine, EngineConfig
 from orin.media import synth_image, synth_speechlike
+from orin.residency import simulate_stream
 
 KINDS = {
     "text": GenerationRequest(messages=({"role": "user", "content": "Name three colours."},), max_new_tokens=5,
@@ -43,19 +45,45 @@ def _engine(model_dir, budget=None):
 
 
 def _assert_whole(engine):
-    """Each component is either wholly loaded (and counted resident) or wholly out, once the background loads
-    under way (the next request's first stage) have landed."""
+    """Each unit is either wholly loaded (and counted resident) or wholly out, once the background loads under
+    way (the next request's first stage) have landed; a component is resident when all its units are."""
     engine.loader.settle()
     loaded: dict[str, set[bool]] = {}
     for name, p in engine.loader.model.named_parameters():
-        comp = C.component_of(name)
-        if comp is not None:
-            loaded.setdefault(comp, set()).add(p.device.type != "meta")
+        unit = C.unit_of(name)
+        if unit is not None:
+            loaded.setdefault(unit, set()).add(p.device.type != "meta")
     for path, shell in engine.loader.shells.items():
-        loaded.setdefault(C.component_of(path + "."), set()).add(shell.is_loaded)
-    for comp, states in loaded.items():
-        assert len(states) == 1, f"{comp} is half-loaded"
-        assert states == {engine.loader.is_resident(comp)}, comp
+        loaded.setdefault(C.unit_of(path + "."), set()).add(shell.is_loaded)
+    resident = set(engine.loader.resident_units())
+    for unit, states in loaded.items():
+        assert len(states) == 1, f"{unit} is half-loaded"
+        assert states == {unit in resident}, unit
+    for comp in C.NAMES:
+        assert engine.loader.is_resident(comp) == (set(engine.loader.units(comp)) <= resident), comp
+
+
+def _window_moves(stream, k):
+    """Bytes and units per (component, kind) that request k's report lists: its stagings but the last (the next
+    request's first stage, loaded in the background after the report), and the one before it made."""
+    moves = [m for m in stream[k] if m.call.wait] + ([stream[k - 1][-1]] if k and not stream[k - 1][-1].call.wait
+                                                      else [])
+    out: dict = {}
+    for m in moves:
+        for kind in ("in", "ahead", "out"):
+            for comp, b in m.bytes[kind].items():
+                old = out.get((comp, kind), (0, 0))
+                out[(comp, kind)] = (old[0] + b, old[1] + m.units[kind][comp])
+    return out
+
+
+def _report_moves(report):
+    out: dict = {}
+    for s in report.swaps:
+        kind = "out" if s.direction == "out" else "ahead" if s.background else "in"
+        old = out.get((s.component, kind), (0, 0))
+        out[(s.component, kind)] = (old[0] + s.bytes, old[1] + s.units)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +103,32 @@ def test_every_budget_from_the_least_to_all_resident_gives_the_same_outputs(quan
     top = max(v.all_resident_bytes for v in plans.values())
     assert least < top
     budgets = [least + (top - least) * i // (POINTS - 1) for i in range(POINTS)] + [top + 1]
-    swapped = {}
+    swapped, partial = {}, set()
     for budget in budgets:
         engine = _engine(quantized_dir, budget)
         try:
-            moved = 0
+            moved, reports, calls = 0, [], []
             for kind in SEQUENCE:
+                calls.append(engine.plan(KINDS[kind]).stages.calls())
                 report, outcome = _outcome(engine, KINDS[kind])
                 assert outcome == outcomes[kind], f"{kind} at budget {budget} differs from all-resident"
                 assert report.peak_bytes <= budget, (kind, budget, report.peak_bytes)
                 _assert_whole(engine)
                 moved += sum(s.bytes for s in report.swaps if s.direction == "in")
+                reports.append(report)
+                partial.update(s.component for s in report.swaps if s.units < s.of_units)
             swapped[budget] = moved
+            # the planner's simulation of the same stream moves exactly what the loader moved, request by request
+            stream = simulate_stream(calls, engine.loader.unit_sizes(), budget)
+            for k, report in enumerate(reports):
+                assert _report_moves(report) == _window_moves(stream, k), (budget, k, SEQUENCE[k])
         finally:
             engine.close()
     # The least budget swaps components in and out; all-resident loads each one once.
     assert swapped[budgets[0]] > swapped[budgets[-1]]
     assert swapped[budgets[-1]] == sum(engine.loader.sizes()[c] for c in C.NAMES)
+    # Some budgets keep part of a decoder: it gave only some layers up (and got only those back).
+    assert partial
 
 
 def test_below_the_least_budget_every_kind_is_refused_before_loading(quantized_dir, reference):

@@ -185,6 +185,7 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
     """The standard request under `budget`, with the last compile setting; `stage_memory` is what was resident
     and the allocator's bytes at each stage of the pipeline (orin.contract.Staged): where the peak was reached."""
     from ..contract import Staged
+    from ..residency import simulate
 
     compile = cfg.compile[-1]
     stages: list = []
@@ -198,8 +199,13 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         # Two requests in a row: the first starts from nothing resident, the second is the steady state of a
         # stream of requests (what the budget costs each request), and is the one summarised.
         first = stream_request(engine, bench_request(cfg, inputs)).report
+        # what `plan`'s policy says the steady state loads, on the sizes the loader measured
+        calls = engine.plan(bench_request(cfg, inputs)).stages.calls()
+        planned = simulate(calls, engine.loader.unit_sizes(), budget)[-1]
         stages.clear()
         report = stream_request(engine, bench_request(cfg, inputs)).report
+        # what the process held from the driver (allocator cache included): the loader keeps it under the budget
+        reserved = _peak_reserved(engine.device)
         note = "" if prefetch else ", no prefetch"
         label = f"orin-omni INT4 time-sliced, budget {format_bytes(budget)} ({run_name(compile)}{note})"
         summary = summarize_engine(report, label)
@@ -210,16 +216,25 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         summary["weight_bytes"] = sum(s.runtime_int4_bytes for s in engine.sizes.components.values())
         summary["budget_bytes"] = budget
         summary["swap_detail"] = [s.to_json() for s in report.swaps]
+        summary["planned_steady_bytes_loaded"] = sum(m.loaded() for m in planned)
+        summary["peak_reserved_bytes"] = reserved
         log_fn(f"[time-sliced {format_bytes(budget)}{note}] steady state: ttft {summary['ttft_s']:.3f} s, first audio "
                f"{summary['first_audio_s'] or 0:.3f} s, total {report.total_s:.2f} s, peak "
                f"{format_bytes(summary['peak_bytes'] or 0)}, swapped in {summary['swap_in_bytes'] / 1e9:.2f} GB in "
-               f"{summary['swap_in_s']:.2f} s ({summary['swap_in_gb_s'] or 0:.2f} GB/s); first request: ttft "
+               f"{summary['swap_in_s']:.2f} s ({summary['swap_in_gb_s'] or 0:.2f} GB/s; planned "
+               f"{summary['planned_steady_bytes_loaded'] / 1e9:.2f} GB); first request: ttft "
                f"{first.ttft_s:.2f} s, {summary['first_request']['swap_in_bytes'] / 1e9:.2f} GB in")
         return summary
     finally:
         engine.close()
         del engine
         free(cfg.device)
+
+
+def _peak_reserved(device) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 
 def _moved(report) -> dict:
