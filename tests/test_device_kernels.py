@@ -211,6 +211,20 @@ def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
         assert torch.equal(engine.thinker.encode_audio(x, prompt, graph=True), eager_a)
 
 
+def _predictor_frame(engine, seed: int):
+    """The code predictor resident, a random frame input, and the codes and embedding it gives."""
+    import torch
+
+    predictor = engine.decoders.code_predictor
+    H = engine.model.config.talker_config.text_config.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    engine.loader.ensure("code_predictor")
+    past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
+    first = engine.model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
+    codes, emb = (t.clone() for t in predictor.run(past, first))
+    return predictor, past, first, codes, emb
+
+
 def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
     """Swapped out and in between two requests, the code predictor's weights land elsewhere; its frame graph must
     be re-captured, not replayed onto the freed (here: reoccupied) memory. The engine tells the decoders after
@@ -218,15 +232,8 @@ def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
     import torch
 
     engine = cuda_engine
-    model = engine.model
-    predictor = engine.decoders.code_predictor
-    H = model.config.talker_config.text_config.hidden_size
-    gen = torch.Generator(device="cuda").manual_seed(5)
     with torch.inference_mode():
-        engine.loader.ensure("code_predictor")
-        past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
-        first = model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
-        codes, emb = (t.clone() for t in predictor.run(past, first))
+        predictor, past, first, codes, emb = _predictor_frame(engine, seed=5)
         captures = predictor.runner.captures
         engine.loader.evict("code_predictor")
         squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
@@ -245,15 +252,8 @@ def test_a_capture_waits_for_the_background_load_under_way(cuda_engine):
     import torch
 
     engine = cuda_engine
-    model = engine.model
-    predictor = engine.decoders.code_predictor
-    H = model.config.talker_config.text_config.hidden_size
-    gen = torch.Generator(device="cuda").manual_seed(6)
     with torch.inference_mode():
-        engine.loader.ensure("code_predictor")
-        past = torch.randn((1, 1, H), generator=gen, device="cuda").to(torch.bfloat16)
-        first = model.talker.model.codec_embedding(torch.tensor([[5]], device="cuda"))
-        codes, emb = (t.clone() for t in predictor.run(past, first))
+        predictor, past, first, codes, emb = _predictor_frame(engine, seed=6)
         captures = predictor.runner.captures
         for _ in range(3):
             engine.loader.evict("talker")
