@@ -200,8 +200,7 @@ class Engine:
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, working_bytes
-        from .residency import stage_plan
+        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings
 
         n = prompt.length
         tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": 0, "prompt": n,
@@ -216,9 +215,7 @@ class Engine:
         verdict = decide(self.loader.sizes(), kv, act, self._needed(req, prompt), budget, margin)
         require_fit(verdict)
         streaming = req.speech and req.stream_speech and verdict.streaming
-        stages = stage_plan([s.resident for s in verdict.schedule], verdict.needed,
-                            lambda comps: working_bytes(comps, kv, act, margin), streaming, req.speech,
-                            keeps_weights=verdict.all_resident, prefetch=self.cfg.prefetch)
+        stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=self.cfg.prefetch)
         return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming)
 
     def _stage(self, call) -> None:

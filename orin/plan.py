@@ -344,19 +344,16 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
     """The verdict for one request: `resident` holds each component's resident bytes; `margin` is added to
     every stage (see RUNTIME_MARGIN)."""
 
-    def stage_bytes(comps: tuple[str, ...], kv_alive: tuple[str, ...]) -> int:
-        return (sum(resident[c] for c in comps) + sum(kv.get(c, 0) for c in kv_alive)
-                + max([act.get(c, 0) for c in comps] or [0]) + margin)
+    def stage_bytes(comps: tuple[str, ...]) -> int:
+        return sum(resident[c] for c in comps) + working_bytes(comps, kv, act, margin)
 
-    all_bytes = sum(resident[c] for c in needed) + sum(kv.get(c, 0) for c in needed) + max(
-        [act.get(c, 0) for c in needed] or [0]) + margin
+    all_bytes = stage_bytes(needed)
     largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
     options = []
     for label, plan in schedules(needed):
         stages = []
         for name, comps in plan:
-            alive = () if name.startswith("encode") else comps
-            stages.append(Stage(name, comps, stage_bytes(comps, alive)))
+            stages.append(Stage(name, comps, stage_bytes(comps)))  # an encode stage holds no KV cache
         options.append((label, stages, max(s.bytes for s in stages)))
     least = min(peak for _, _, peak in options)
     for label, stages, peak in options:
@@ -383,16 +380,25 @@ def steady_state(sizes: ModelSizes, kv: dict, act: dict, verdict: Verdict, budge
     """The loader's moves (orin.residency.Moves per staging) over `requests` consecutive requests like this
     one, from nothing resident: the first request loads what it needs, the last is the steady state. Empty
     where the request does not fit."""
-    from .residency import simulate, stage_plan
+    from .residency import simulate
 
     if not verdict.time_sliced:
         return []
-    stages = stage_plan([s.resident for s in verdict.schedule], verdict.needed,
-                        lambda comps: working_bytes(comps, kv, act, margin), verdict.streaming,
-                        speech=any(c in verdict.needed for c in C.SPEECH_COMPONENTS),
-                        keeps_weights=verdict.all_resident)
+    stages = stagings(verdict, kv, act, margin, verdict.streaming,
+                      speech=any(c in verdict.needed for c in C.SPEECH_COMPONENTS))
     units = {u: b for c in sizes.components.values() for u, b in c.units.items()}
     return simulate(stages.calls(), units, budget, requests)
+
+
+def stagings(verdict: Verdict, kv: dict, act: dict, margin: int, streaming: bool, speech: bool,
+             prefetch: bool = True):
+    """The loader's stagings for a request with this verdict (orin.residency.StagePlan), each with the working
+    bytes the planner gives it."""
+    from .residency import stage_plan
+
+    return stage_plan([s.resident for s in verdict.schedule], verdict.needed,
+                      lambda comps: working_bytes(comps, kv, act, margin), streaming, speech,
+                      keeps_weights=verdict.all_resident, prefetch=prefetch)
 
 
 @dataclass
