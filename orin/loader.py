@@ -320,7 +320,7 @@ class Loader:
         # component meanwhile, which made a clean eviction look half-done.)
         released: dict[str, list[weakref.ref]] = {}
         for name, ref in self._release_parameters(gone):
-            released.setdefault(C.unit_component(C.unit_of(name)), []).append(ref)
+            released.setdefault(C.component_of(name), []).append(ref)
         for path, shell in self.shells.items():
             if C.unit_of(path + ".") in gone:
                 released.setdefault(C.component_of(path + "."), []).extend(

@@ -18,6 +18,22 @@ def assert_same_tree(models, hf) -> None:
             assert not buffers[name].is_meta and torch.equal(buffers[name], buf), name
 
 
+def real_meta_trees(real_config: str, section: str, hf_class, our_class):
+    """The real config's `thinker_config.<section>` encoder on meta: transformers' (the oracle), ours built under
+    the loader's params_on_meta (its skeleton) and ours built with device="meta", and transformers' parameter
+    shapes and dtypes by name."""
+    from orin.loader import params_on_meta
+    from orin.modelcfg import load_config, read_config_dict
+
+    with params_on_meta():
+        hf = hf_class(getattr(load_config(real_config).thinker_config, section))
+    data = read_config_dict(real_config)["thinker_config"][section]
+    with params_on_meta():
+        skeleton = our_class(data)
+    ours = our_class(data, device="meta")
+    return hf, skeleton, ours, {n: (p.shape, p.dtype) for n, p in hf.named_parameters()}
+
+
 def checkpoint_state(model_dir, prefix: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under `prefix` (e.g. "code2wav."), renamed relative to it, in float32."""
     from pathlib import Path

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from module_oracle import assert_same_tree, checkpoint_state, random_state
+from module_oracle import assert_same_tree, checkpoint_state, random_state, real_meta_trees
 
 from orin.audio_encoder import AudioEncoder
 from orin.audio_format import audio_token_count
@@ -179,15 +179,7 @@ def test_bad_inputs_are_refused(tiny_pair):
 def test_real_config_tree_on_meta(real_config):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
-    from orin.loader import params_on_meta
-
-    with params_on_meta():
-        hf = Qwen3OmniMoeAudioEncoder(load_config(real_config).thinker_config.audio_config)
-    data = read_config_dict(real_config)["thinker_config"]["audio_config"]
-    with params_on_meta():
-        skeleton = AudioEncoder(data)
-    ours = AudioEncoder(data, device="meta")
-    expected = {n: (p.shape, p.dtype) for n, p in hf.named_parameters()}
+    hf, skeleton, ours, expected = real_meta_trees(real_config, "audio_config", Qwen3OmniMoeAudioEncoder, AudioEncoder)
     assert expected["layers.31.fc1.weight"][0] == (5120, 1280)  # the real dimensions
     assert expected["conv_out.weight"][0] == (1280, 480 * 16) and expected["proj2.weight"][0] == (2048, 1280)
     assert_same_tree((ours, skeleton), hf)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from module_oracle import assert_same_tree, checkpoint_state, random_state
+from module_oracle import assert_same_tree, checkpoint_state, random_state, real_meta_trees
 from torch import nn
 
 from orin.modelcfg import load_config, read_config_dict
@@ -255,15 +255,7 @@ def test_projections_are_called_as_children(encoders, tiny_model_dir):
 def test_real_config_tree_on_meta(real_config):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
 
-    from orin.loader import params_on_meta
-
-    with params_on_meta():
-        hf = Qwen3OmniMoeVisionEncoder(load_config(real_config).thinker_config.vision_config)
-    data = read_config_dict(real_config)["thinker_config"]["vision_config"]
-    with params_on_meta():
-        skeleton = VisionEncoder(data)
-    ours = VisionEncoder(data, device="meta")
-    expected = {n: (p.shape, p.dtype) for n, p in hf.named_parameters()}
+    hf, skeleton, ours, expected = real_meta_trees(real_config, "vision_config", Qwen3OmniMoeVisionEncoder, VisionEncoder)
     assert expected["blocks.26.mlp.linear_fc2.weight"][0] == (1152, 4304)  # the real dimensions
     assert expected["merger_list.2.mlp.2.weight"][0] == (2048, 4608)
     assert expected["patch_embed.proj.weight"][0] == (1152, 3, 2, 16, 16)
