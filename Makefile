@@ -26,7 +26,8 @@ COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py te
 	test_server.py test_server_keepalive.py test_server_lifecycle.py test_chat_api.py test_media.py \
 	test_admission.py test_metrics.py test_sdnotify.py test_smoke.py test_inputs.py test_positions.py \
 	test_audio_encoder.py test_vision_encoder.py test_code2wav.py test_model.py test_checkpoint_layout.py \
-	test_manifest.py test_plan.py test_cli.py test_time_sliced.py test_block_reader.py test_residency.py)
+	test_manifest.py test_plan.py test_cli.py test_time_sliced.py test_block_reader.py test_residency.py \
+	test_packed_cache.py)
 
 .PHONY: demo test test-compat venv venv-compat system-deps clean
 
@@ -39,18 +40,24 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 # PyPI's torch is a CUDA build: torch alone first (--no-deps: its metadata asks for 14 nvidia-* packages and
-# Triton, 3.7 GB for 2.8.0), then the 11 nvidia-* libraries a CPU run loads (tests/compat_env.py), then orin-omni
-# with --no-deps and its device-side extras listed from its metadata (naming torch again would make pip resolve
-# torch's full CUDA set). pip then reports torch's cuSOLVER, NVRTC, NVTX and Triton as missing: they are, on
-# purpose. The last step fails if transformers & co. got in. About 1.5 minutes and 5.5 GB; pip's cache saves
-# nothing here (the registry sends no caching headers), and the download is a few seconds of that anyway.
+# Triton, 3.7 GB for 2.8.0), then the 11 nvidia-* libraries a CPU run loads (tests/compat_env.py), one at a time,
+# each pruned of the parts a CPU run never loads right after it lands, so the disk never holds all their wheels
+# and all their files at once; then orin-omni with --no-deps and its device-side extras listed from its metadata
+# (naming torch again would make pip resolve torch's full CUDA set). pip then reports torch's cuSOLVER, NVRTC, NVTX
+# and Triton as missing: they are, on purpose. The last step fails if transformers & co. got in. About 2 minutes
+# and 4.3 GB (5 GB free are asked for first, with a clear error); pip's cache saves nothing here (the registry
+# sends no caching headers), and the download is a few seconds of that anyway.
 $(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
 	rm -rf $(COMPAT_VENV)
+	$(PYTHON310) tests/compat_env.py room $(COMPAT_VENV)
 	$(PYTHON310) -m venv $(COMPAT_VENV)
 	$(CPY) -m pip install --quiet --upgrade pip packaging
 	$(CPY) -m pip install --quiet --no-deps torch==$(COMPAT_TORCH)
+	$(CPY) tests/compat_env.py prune
 	$(CPY) tests/compat_env.py torch-libs > $(COMPAT_VENV)/torch-libs.txt
-	$(CPY) -m pip install --quiet --no-deps -r $(COMPAT_VENV)/torch-libs.txt
+	while read -r lib; do \
+	  $(CPY) -m pip install --quiet --no-deps "$$lib" && $(CPY) tests/compat_env.py prune || exit 1; \
+	done < $(COMPAT_VENV)/torch-libs.txt
 	$(CPY) -m pip install --quiet --no-deps -e .
 	$(CPY) tests/compat_env.py requirements > $(COMPAT_VENV)/requirements.txt
 	$(CPY) -m pip install --quiet -r $(COMPAT_VENV)/requirements.txt

@@ -1,5 +1,5 @@
 """Reading many tensors of a safetensors file at once: the byte span that holds them read in one piece into a
-pinned host buffer, copied to the device in one transfer, and cut into the tensors there.
+pinned staging buffer, copied to the device in one transfer, and cut into the tensors there.
 
 The loader's INT4 experts are ~55,000 small tensors for the real thinker (a few hundred KB each); read one at a
 time (safetensors' get_tensor: a pageable copy and its synchronisation each) they held the swap-in to ~2 GB/s
@@ -7,13 +7,18 @@ where the same host moves a file to the GPU at 5+ GB/s. A batch of experts is st
 the synthetic writer write them in order), so its span is read with one `readinto` and one host-to-device copy.
 The tensors returned are views of the device block: a consumer that keeps one past the load must copy it (the
 INT4 modules keep only what they convert).
+
+Each loading thread stages through two pinned buffers of STAGE bytes, allocated once and used in turn: while one
+buffer's copy runs (on a stream of its own, so a background load and the decode do not queue behind each other)
+the next span is read into the other. A span larger than a buffer goes through them piece by piece.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,8 +29,10 @@ from .errors import ModelError
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
            "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "BOOL": torch.bool,
            "F64": torch.float64}
-# A span larger than this is read in pieces (the pinned buffer's size): bounds the host memory a load pins.
-MAX_BLOCK = 256 << 20
+# The pinned staging buffers' size: the most one read-ahead holds, and the piece a longer span is read in. Each
+# loading thread keeps two (one filled from the file while the other's copy to the device runs), allocated once:
+# pinning them anew for every unit cost more than reading a thinker layer.
+STAGE = 64 << 20
 # Tensors closer than this in the file are read in one span (the bytes between them read and dropped).
 MAX_GAP = 1 << 20
 
@@ -59,23 +66,77 @@ def _tensor_index(path: str, _size: int, _mtime_ns: int):
     return 8 + length, index
 
 
+class _Lane:
+    """One loading thread's staging: two host buffers (pinned on CUDA) filled in turn, each with the event of the
+    device copy that last read it, and the stream those copies run on. On its own stream a copy neither waits
+    for the kernels queued after it nor holds them up: a background load no longer stalls the decode."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(STAGE, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self.events: list = [None, None]
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._turn = 0
+
+    def take(self) -> int:
+        """The buffer to fill next, once the copy that last read it has landed."""
+        i, self._turn = self._turn, self._turn ^ 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # releases the GIL
+            self.events[i] = None
+        return i
+
+    def new_block(self, size: int, device: torch.device) -> torch.Tensor:
+        """Device memory for a span: allocated on the compute stream (its memory may have been freed there by
+        kernels still queued, so the copies wait for those first)."""
+        block = torch.empty(size, dtype=torch.uint8, device=device)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        return block
+
+    def copy(self, i: int, host: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy `host` (a slice of buffer i) into `target`: on CUDA asynchronously, on the lane's stream."""
+        if self.stream is None:
+            target.copy_(host)
+            return
+        with torch.cuda.stream(self.stream):
+            target.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.events[i] = event
+
+    def settle(self) -> None:
+        """Wait for every copy issued (the blocks are whole; the buffers free)."""
+        for i, event in enumerate(self.events):
+            if event is not None:
+                event.synchronize()
+                self.events[i] = None
+
+
+_LANES = threading.local()
+
+
+def _lane(device: torch.device) -> _Lane:
+    lanes = getattr(_LANES, "by_device", None)
+    if lanes is None:
+        lanes = _LANES.by_device = {}
+    if device not in lanes:
+        lanes[device] = _Lane(device)
+    return lanes[device]
+
+
 class BlockReader:
     """`read(names)` -> {name: tensor on `device`} for tensors of one file, each run of them that lies together
     read in one go. `read_ahead(names)` starts the disk part of a later `read` of the same names on a background
-    thread (file reads release the GIL), so reading the next batch overlaps converting this one."""
+    thread (file reads release the GIL), so reading the next batch overlaps converting this one; `read(names,
+    then=next_names)` starts it before waiting for this read's copy to the device, so the disk and the copy
+    overlap too."""
 
     def __init__(self, path: Path, device: torch.device):
         self.path = str(path)
         self.device = device
         self.base, self.index = tensor_index(self.path)
-        self._pinned: torch.Tensor | None = None
-        self._ahead: tuple[frozenset, Future] | None = None
-
-    def _buffer(self, size: int) -> torch.Tensor:
-        if self._pinned is None or self._pinned.numel() < size:
-            self._pinned = None  # the old buffer goes before the larger one is pinned
-            self._pinned = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        return self._pinned
+        self._ahead: tuple | None = None
 
     def _runs(self, names, max_gap: int = MAX_GAP) -> list[list]:
         try:
@@ -94,13 +155,13 @@ class BlockReader:
     def _span(run: list) -> tuple[int, int]:
         return run[0][1][2], max(e[3] for _, e in run)
 
-    def _read_host(self, runs: list[list]) -> list[tuple[list, torch.Tensor]]:
-        """The runs' bytes from the file into the (one, reused) pinned buffer: (run, its bytes) each."""
-        spans = [self._span(run) for run in runs]
-        buffer = self._buffer(sum(hi - lo for lo, hi in spans))
+    def _read_host(self, runs: list[list], buffer: torch.Tensor) -> list[tuple[list, torch.Tensor]]:
+        """The runs' bytes from the file into `buffer` (a staging buffer): (run, its bytes) each. Runs on the
+        reading thread for a read-ahead: no CUDA call here."""
         out, at = [], 0
         with open(self.path, "rb", buffering=0) as f:
-            for run, (lo, hi) in zip(runs, spans, strict=True):
+            for run in runs:
+                lo, hi = self._span(run)
                 host = buffer[at:at + hi - lo]
                 f.seek(self.base + lo)
                 got = f.readinto(memoryview(host.numpy()))
@@ -111,55 +172,69 @@ class BlockReader:
         return out
 
     def read_ahead(self, names, max_gap: int = MAX_GAP) -> None:
-        """Start reading `names` from disk in the background (at most one such read: a second is ignored)."""
+        """Start reading `names` from disk in the background (at most one such read: a second is ignored; one
+        larger than a staging buffer is read when asked for)."""
         runs = self._runs(names, max_gap)
         size = sum(hi - lo for lo, hi in map(self._span, runs))
-        if self._ahead is None and size <= MAX_BLOCK:
-            # pinned here, on the loading thread: the reading thread then makes no CUDA call (orin.cuda_gate)
-            self._buffer(size)
-            self._ahead = (frozenset(names), max_gap, _reader_thread().submit(self._read_host, runs))
+        if self._ahead is None and size <= STAGE:
+            lane = _lane(self.device)  # made here, on the loading thread: the reading thread makes no CUDA call
+            i = lane.take()
+            self._ahead = (frozenset(names), max_gap, i, _reader_thread().submit(self._read_host, runs,
+                                                                                  lane.buffers[i]))
 
-    def read(self, names, max_gap: int = MAX_GAP) -> dict[str, torch.Tensor]:
+    def read(self, names, max_gap: int = MAX_GAP, then=None) -> dict[str, torch.Tensor]:
         """The named tensors on the device (views of one block per run: see the module doc). `max_gap`: the
-        most bytes between two tensors read as one run (0 where views must not keep other bytes alive)."""
+        most bytes between two tensors read as one run (0 where views must not keep other bytes alive). `then`:
+        names to read ahead (with the same `max_gap`) while this read's copy runs."""
+        lane = _lane(self.device)
         key = frozenset(names)
+        staged = None
         if self._ahead is not None:
-            ahead, gap, future = self._ahead
+            ahead, gap, i, future = self._ahead
             self._ahead = None
             host_runs = future.result()  # the buffer is free again only once it has landed
             if ahead == key and gap == max_gap:
-                return self._to_device(host_runs)
-        runs = self._runs(names, max_gap)
-        if sum(hi - lo for lo, hi in map(self._span, runs)) <= MAX_BLOCK:
-            return self._to_device(self._read_host(runs))
+                staged = (i, host_runs)
+        landing: list[tuple[list, torch.Tensor]] = []  # (run, its device block), cut once the copies have landed
+        if staged is None:
+            runs = self._runs(names, max_gap)
+            if sum(hi - lo for lo, hi in map(self._span, runs)) <= STAGE:
+                i = lane.take()
+                staged = (i, self._read_host(runs, lane.buffers[i]))
+            else:  # larger than a staging buffer: piece by piece, each piece's copy overlapping the next read
+                landing = [(run, self._read_streamed(run, lane)) for run in runs]
+        if staged is not None:
+            i, host_runs = staged
+            for run, host in host_runs:
+                block = lane.new_block(host.numel(), self.device)
+                lane.copy(i, host, block)
+                landing.append((run, block))
+        if then:
+            self.read_ahead(then, max_gap)
+        lane.settle()
         out: dict[str, torch.Tensor] = {}
-        for run in runs:  # larger than the pinned buffer may grow: piece by piece
-            out.update(self._read_large(run))
-        return out
-
-    def _to_device(self, host_runs) -> dict[str, torch.Tensor]:
-        out = {}
-        for run, host in host_runs:
-            block = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-            block.copy_(host)  # synchronous: the pinned buffer is reused by the next read
+        for run, block in landing:
             out.update(_cut(run, block))
         return out
 
-    def _read_large(self, run: list) -> dict[str, torch.Tensor]:
+    def _read_streamed(self, run: list, lane: _Lane) -> torch.Tensor:
+        """A run larger than a staging buffer into its device block, STAGE bytes at a time (the copies may still
+        be running when this returns)."""
         lo, hi = self._span(run)
-        block = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)
+        block = lane.new_block(hi - lo, self.device)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.base + lo)
             done = 0
             while done < hi - lo:
-                n = min(MAX_BLOCK, hi - lo - done)
-                host = self._buffer(n)[:n]
+                n = min(STAGE, hi - lo - done)
+                i = lane.take()
+                host = lane.buffers[i][:n]
                 got = f.readinto(memoryview(host.numpy()))
                 if got != n:
                     raise ModelError(f"{self.path}: ends early (read {got} of {n} bytes); the file is truncated")
-                block[done:done + n].copy_(host)
+                lane.copy(i, host, block[done:done + n])
                 done += n
-        return _cut(run, block)
+        return block
 
 
 def _cut(run: list, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -185,4 +260,4 @@ def _reader_thread() -> ThreadPoolExecutor:
     return _THREAD[0]
 
 
-__all__ = ["BlockReader", "tensor_index"]
+__all__ = ["STAGE", "BlockReader", "tensor_index"]

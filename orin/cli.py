@@ -46,6 +46,14 @@ class _Size(click.ParamType):
 SIZE = _Size()
 
 
+def _packed_cache_option(fn):
+    return click.option(
+        "--packed-cache", default="auto", show_default=True, envvar="ORIN_OMNI_PACKED_CACHE",
+        help="Directory where INT4 layers are kept in the GPU's layout after their first load, so later loads "
+             "(every swap under a budget) read instead of converting; 'auto': packed-cache/ in the model "
+             "directory; 'off': convert on every load (env ORIN_OMNI_PACKED_CACHE).")(fn)
+
+
 def _csv(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -198,16 +206,19 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--power-backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
+@_packed_cache_option
 def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_new_tokens, max_audio_frames,
-                 voice, temperature, device, power_backend, as_json):
+                 voice, temperature, device, power_backend, as_json, packed_cache):
     """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
     energy, where the speech went) on stderr."""
     from .generate import GenerateConfig, run_generate
+    from .packed_cache import resolve_dir
 
     run_generate(GenerateConfig(
         model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), out_wav=out_wav, speech=speech,
         budget=budget, max_new_tokens=max_new_tokens, voice=voice, device=device, as_json=as_json,
         power_backend=power_backend, temperature=temperature, max_audio_frames=max_audio_frames,
+        packed_cache=resolve_dir(packed_cache, model_dir),
     ))
 
 
@@ -243,10 +254,12 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
               help="On SIGTERM, how long the request in flight may run before it is cancelled.")
 @click.option("--served-model-name", default=None,
               help="The model id clients pass as model= (default: the name recorded in the checkpoint's manifest).")
+@_packed_cache_option
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
               sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_speech_seconds,
-              drain_seconds, served_model_name):
+              drain_seconds, served_model_name, packed_cache):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
+    from .packed_cache import resolve_dir
     from .serve.app import ServeConfig, serve
 
     serve(ServeConfig(
@@ -255,6 +268,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
         verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
         max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels,
         max_speech_seconds=max_speech_seconds, drain_s=drain_seconds, served_model_name=served_model_name,
+        packed_cache=resolve_dir(packed_cache, model_dir),
     ))
 
 
@@ -274,16 +288,19 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds to wait for each HTTP request.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@_packed_cache_option
 @click.pass_context
 def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voice, device, power_backend, timeout_s,
-              as_json):
+              as_json, packed_cache):
     """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text and speech requests,
     TTFT, peak memory, WAV output, power. Exits 1 if any check fails."""
     from .checks.smoke import SmokeConfig, render_table, run_smoke
+    from .packed_cache import resolve_dir
 
     result = run_smoke(SmokeConfig(
         url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
         voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s,
+        packed_cache=resolve_dir(packed_cache, model_dir),
     ))
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
     if not result.ok:
@@ -352,9 +369,12 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--hf-repeats", type=click.IntRange(min=1), default=2, show_default=True,
               help="Measured HF generate() runs; the fastest is reported.")
+@_packed_cache_option
+@click.option("--sliced-unpacked", type=SIZE, multiple=True, default=[],
+              help="Run this budget time-sliced again with --packed-cache off (repeatable): the copies' worth.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
               audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
-              seed, hf_repeats):
+              seed, hf_repeats, packed_cache, sliced_unpacked):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
     and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps."""
     from .devtools.bench import BenchConfig, parse_compile, render_table, run_bench
@@ -364,7 +384,8 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
         audio_frames=audio_frames, budget_sliced=tuple(budget_sliced), skip_hf=skip_hf, skip_sliced=skip_sliced,
         compile=parse_compile(compile_settings), profile=profile, power_backend=power_backend,
-        json_out=json_out, seed=seed, hf_repeats=hf_repeats,
+        json_out=json_out, seed=seed, hf_repeats=hf_repeats, packed_cache=packed_cache,
+        sliced_unpacked=tuple(sliced_unpacked),
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
 

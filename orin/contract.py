@@ -63,11 +63,13 @@ class Swap:
     background: bool = False
     units: int = 1
     of_units: int = 1
+    packed: int = 0  # of the units swapped in, those read from their packed copies (orin.packed_cache)
+    written: int = 0  # packed copies this swap-in wrote (the first load of a unit with a cache)
 
     def to_json(self) -> dict:
         return {"component": self.component, "direction": self.direction, "bytes": self.bytes,
                 "seconds": round(self.seconds, 6), "background": self.background, "units": self.units,
-                "of_units": self.of_units}
+                "of_units": self.of_units, "packed": self.packed, "written": self.written}
 
 
 @dataclass(frozen=True)

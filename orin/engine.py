@@ -45,6 +45,9 @@ class EngineConfig:
     # torch.compile of the decoder layer function (fuses the elementwise work between the matmuls). None: on
     # CUDA, where the serve warm-up absorbs the one-off compile; off on CPU.
     compile: bool | None = None
+    # Where INT4 modules are kept in the device's kernel layout after their first load (orin.packed_cache), so
+    # later loads read instead of converting; None converts on every load.
+    packed_cache: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Engine:
         from .device import pick_device
         from .inputs import Processor
         from .loader import Loader
+        from .packed_cache import PackedCache
         from .plan import size_model
         from .power.meter import PowerConfig, PowerMeter
         from .thinker import Thinker
@@ -83,9 +87,11 @@ class Engine:
         self.ckpt = Checkpoint.open(cfg.model_dir, verify=cfg.verify_checksums)
         self.config = self.ckpt.config
         self.sizes = size_model(self.config, self.ckpt.spec, self.ckpt.split, dtype_bytes=self.dtype.itemsize)
+        packed = (PackedCache.open(cfg.packed_cache, self.ckpt, self.device, self.dtype)
+                  if cfg.packed_cache else None)
         self.loader = Loader(self.ckpt, self.device, self.dtype, cfg.budget,
                              estimates={u: b for s in self.sizes.components.values() for u, b in s.units.items()},
-                             on_swap=self._notify)
+                             on_swap=self._notify, packed=packed)
         self.model = self.loader.model
         self.processor = Processor.from_dir(cfg.model_dir)
         self.tokenizer = self.processor.tokenizer

@@ -28,6 +28,7 @@ class GenerateConfig:
     power_backend: str = "auto"
     temperature: float = 0.0
     max_audio_frames: int | None = None
+    packed_cache: str | None = None  # orin.packed_cache's directory (None: convert INT4 layers on every load)
 
     @property
     def wants_speech(self) -> bool:
@@ -66,7 +67,7 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
         raise InputError("--out-wav needs speech; drop --no-speech")
     request = build_request(cfg)  # bad media fails before the model is loaded
     engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
-                                 power_backend=cfg.power_backend))
+                                 power_backend=cfg.power_backend, packed_cache=cfg.packed_cache))
     try:
         chunks, report = [], None
         for event in engine.stream(request):

@@ -121,6 +121,41 @@ class Int4Linear(nn.Module):
         """Drop the packed buffers (the module becomes an empty shell again)."""
         self.weight_packed = self.scales_and_zeros = self.bias = None
 
+    def packed_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(the kernel-layout buffers, what else they need to run): what `load_packed_` takes back
+        (orin.packed_cache keeps them so a later load skips the conversion)."""
+        check_device(self.weight_packed, self.layout, "Int4Linear")
+        tensors = {"weight_packed": self.weight_packed, "scales_and_zeros": self.scales_and_zeros}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors, {"group_size": self.group_size, "kernel_group_size": self.kernel_group_size,
+                         "padded_in_features": self.padded_in_features,
+                         "padded_out_features": self.padded_out_features}
+
+    @torch.no_grad()
+    def load_packed_(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, device: torch.device | str,
+                     name: str = "layer") -> Int4Linear:
+        """Take `packed_state`'s buffers as they are (already in `device`'s kernel layout: no conversion)."""
+        device = torch.device(device)
+        self.unload_()
+        try:
+            weight, sz = tensors["weight_packed"], tensors["scales_and_zeros"]
+            padded_in, padded_out = int(meta["padded_in_features"]), int(meta["padded_out_features"])
+            group, kernel_group = int(meta["group_size"]), int(meta["kernel_group_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"{name}: the packed copy lacks {exc}") from exc
+        if (padded_out < self.out_features or padded_in < self.in_features or sz.shape[-2] != padded_out
+                or sz.shape[0] * kernel_group != padded_in or (self.has_bias != ("bias" in tensors))
+                or weight.device.type != device.type):
+            raise ModelError(f"{name}: the packed copy does not fit this model's Linear ({self.in_features} -> "
+                             f"{self.out_features})")
+        self.weight_packed, self.scales_and_zeros = weight, sz
+        self.bias = tensors.get("bias")
+        self.group_size, self.kernel_group_size = group, kernel_group
+        self.padded_in_features, self.padded_out_features = padded_in, padded_out
+        self.layout = device.type
+        return self
+
     @classmethod
     def from_gptq(
         cls,

@@ -30,6 +30,7 @@ from .int4pack import KernelWeight, check_device, dequantize_packed, grouped_gem
 from .plan import PREFILL_DEQUANT_CHUNK
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+PACKED_BUFFERS = ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros")
 EXPERT_ROUTES = ("triton", "grouped_mm", "tinygemm")
 # Rows per expert (on average) from which forward runs one grouped GEMM per projection instead of tinygemm per
 # expert: at 1 (T * k >= E) a decode token still runs tinygemm, any real prompt the grouped GEMM.
@@ -64,9 +65,11 @@ class _Prefixed(Mapping):
 
 # Experts converted to the kernel layout per call when loading: one conversion per batch instead of one per expert
 # (each is a dozen small kernels and their launches: loading was bound by them, not by reading). A batch holds
-# about LOAD_BATCH_BYTES of packed weights, the load's transient memory twice over (raw and converted): 33 of the
-# real thinker's experts, all 128 of a talker layer's. LOAD_BATCH_EXPERTS, where set, caps it (the tests).
-LOAD_BATCH_BYTES = 80 << 20
+# about LOAD_BATCH_BYTES of packed weights, the load's transient memory twice over (raw and converted): 20 of the
+# real thinker's experts, 81 of a talker layer's. With its scales, zeros and group indices (~5 % more) a batch's
+# read fits one staging buffer (orin.block_reader.STAGE), so the next batch is read while this one converts.
+# LOAD_BATCH_EXPERTS, where set, caps it (the tests).
+LOAD_BATCH_BYTES = 48 << 20
 LOAD_BATCH_EXPERTS: int | None = None
 # Experts convert as one layer stacked along the outputs where each expert's outputs fill whole kernel row tiles
 # (the CUDA int4pack layout tiles 8 rows, the CPU one blocks of rows): then the packed rows split per expert.
@@ -148,7 +151,7 @@ class Int4Experts(nn.Module):
         self.group_size: int | None = None
         self._geom: dict[str, tuple[int, int, int]] = {}  # proj -> (kernel group, K_run, N_pad)
         self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
-        for buf in ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros"):
+        for buf in PACKED_BUFFERS:
             self.register_buffer(buf, None, persistent=False)
 
     @property
@@ -232,6 +235,36 @@ class Int4Experts(nn.Module):
         """Drop the packed buffers (the module becomes an empty shell again)."""
         self.gate_up_packed = self.gate_up_scales_and_zeros = self.down_packed = self.down_scales_and_zeros = None
         self._views = None
+
+    def packed_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(the kernel-layout buffers, what else they need to run): what `load_packed_` takes back
+        (orin.packed_cache keeps them so a later load skips the conversion)."""
+        check_device(self.down_packed, self.layout, "Int4Experts")
+        return ({b: getattr(self, b) for b in PACKED_BUFFERS},
+                {"group_size": self.group_size, "geometry": {k: list(v) for k, v in self._geom.items()}})
+
+    @torch.no_grad()
+    def load_packed_(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, device: torch.device | str,
+                     name: str = "experts") -> Int4Experts:
+        """Take `packed_state`'s buffers as they are (already in `device`'s kernel layout: no conversion)."""
+        device = torch.device(device)
+        self.unload_()
+        try:
+            stacks = {b: tensors[b] for b in PACKED_BUFFERS}
+            geom = {k: tuple(int(x) for x in meta["geometry"][k]) for k in ("gate_up", "down")}
+            group = int(meta["group_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"{name}: the packed copy lacks {exc}") from exc
+        outs = {"gate_up": 2 * self.intermediate_dim, "down": self.hidden_dim}
+        if any(t.shape[0] != self.num_experts or t.device.type != device.type for t in stacks.values()) or any(
+                stacks[f"{k}_scales_and_zeros"].shape[-2] < n for k, n in outs.items()):
+            raise ModelError(f"{name}: the packed copy does not fit this model's {self.num_experts} experts")
+        for buf, value in stacks.items():
+            setattr(self, buf, value)
+        self._geom, self.group_size = geom, group
+        self._views = None
+        self.layout = device.type
+        return self
 
     @classmethod
     def from_gptq(

@@ -28,17 +28,19 @@ from torch import nn
 
 from . import components as C
 from . import residency
-from .block_reader import BlockReader
+from .block_reader import STAGE, BlockReader
 from .checkpoint import Checkpoint
 from .contract import Swap
 from .cuda_gate import GATE
 from .errors import BudgetError, ModelError
 from .hub_names import expert_part, to_runtime
+from .packed_cache import PackedCache
 
 log = logging.getLogger("orin.loader")
-# Plain (BF16) tensors are read this many bytes at a time: one read and one device copy per batch, the next batch
-# read meanwhile; a batch is also the longest a capture or a prefill waits for the loading thread (orin.cuda_gate).
-PLAIN_BATCH_BYTES = 64 << 20
+# Plain (BF16) tensors are read this many bytes at a time (a staging buffer's worth): one read and one device copy
+# per batch, the next batch read meanwhile; a batch is also the longest a capture or a prefill waits for the
+# loading thread (orin.cuda_gate).
+PLAIN_BATCH_BYTES = STAGE
 
 
 @contextlib.contextmanager
@@ -95,12 +97,15 @@ class Loader:
 
     def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  budget: int | None = None, estimates: dict[str, int] | None = None,
-                 on_swap: Callable[[Swap], None] | None = None):
-        """`estimates`: the bytes each unit will take once loaded (the planner's), used until it has been."""
+                 on_swap: Callable[[Swap], None] | None = None, packed: PackedCache | None = None):
+        """`estimates`: the bytes each unit will take once loaded (the planner's), used until it has been.
+        `packed`: where INT4 units are kept in the device's layout (orin.packed_cache), or None to convert them
+        on every load."""
         from .int4 import convert_for_runtime
         from .model import OmniModel
 
         self.ckpt = checkpoint
+        self.packed = packed
         self.device = device
         self.dtype = dtype
         self.budget = budget
@@ -221,12 +226,21 @@ class Loader:
             raise ModelError(f"{key}: the model has no such tensor; the checkpoint is for another model")
         return tensor.numel() * tensor.element_size()
 
-    def _load_units(self, component: str, units: set[str]) -> dict[str, int]:
-        """Load these units of `component`; the bytes each now holds."""
+    def _load_units(self, component: str, units: set[str]) -> tuple[dict[str, int], int, int]:
+        """Load these units of `component`: (the bytes each now holds, how many of them came from their packed
+        copies, how many packed copies were written)."""
         from .int4 import Int4Linear, load_int4_module
 
         got = dict.fromkeys(units, 0)
         shells = {p: m for p, m in self.shells.items() if C.unit_of(p + ".") in units}
+        files = [source.path for source in self.ckpt.sources(component)]
+        packed = 0
+        if self.packed is not None:  # INT4 units with a valid packed copy: read, not converted
+            for unit in sorted({C.unit_of(p + ".") for p in shells}, key=C.unit_sort_key):
+                hit = self.packed.find(unit, files)
+                if hit is not None and self._load_packed(unit, hit, shells, got):
+                    packed += 1
+        shells = {p: m for p, m in shells.items() if not m.is_loaded}
         for source in self.ckpt.sources(component):
             blocks = BlockReader(source.path, self.device)
             with source.open(self.device) as reader:
@@ -236,10 +250,9 @@ class Loader:
                 for i, batch in enumerate(batches):
                     with GATE:  # a batch in one read (the next one read meanwhile), views of one device block
                         # no gaps: a view must not keep bytes of other tensors (or other units) alive
-                        tensors = blocks.read([k for _, fks in batch for k in fks], max_gap=0)
-                        if i + 1 < len(batches):
-                            blocks.read_ahead([k for _, fks in batches[i + 1] for k in fks], max_gap=0)
-                        elif modules:
+                        then = [k for _, fks in batches[i + 1] for k in fks] if i + 1 < len(batches) else None
+                        tensors = blocks.read([k for _, fks in batch for k in fks], max_gap=0, then=then)
+                        if then is None and modules:
                             blocks.read_ahead(_first_read(shells, modules[0]))
                         for key, file_keys in batch:
                             got[C.unit_of(key)] += self._assign(
@@ -260,7 +273,38 @@ class Loader:
         if missing:
             raise ModelError(f"the checkpoint lacks {len(missing)} tensor(s) of {component}, e.g. {missing[0]}; "
                              "re-run orin-omni quantize")
-        return got
+        written = 0
+        if self.packed is not None:  # what was converted is kept, for the next load
+            for unit in sorted({C.unit_of(p + ".") for p in shells}, key=C.unit_sort_key):
+                modules = {p: m for p, m in shells.items() if C.unit_of(p + ".") == unit}
+                written += bool(self.packed.store(unit, files, modules))
+        return got, packed, written
+
+    def _load_packed(self, unit: str, hit, shells: dict, got: dict[str, int]) -> bool:
+        """Fill the unit's INT4 modules from their packed copy: its tensors read in batches (the next read
+        meanwhile), taken as the modules' buffers without a copy. False where the copy does not fit the modules
+        (then they stay empty, to be converted)."""
+        mine = {p for p in shells if C.unit_of(p + ".") == unit}
+        if set(hit.buffers) != mine:
+            log.warning("%s: the packed copy holds other modules than %s has; converting it", hit.path, unit)
+            return False
+        blocks = BlockReader(hit.path, self.device)
+        batches = _name_batches(blocks, hit.names)
+        tensors: dict = {}
+        for i, batch in enumerate(batches):
+            with GATE:
+                tensors.update(blocks.read(batch, max_gap=0, then=batches[i + 1] if i + 1 < len(batches) else None))
+        try:
+            for path, names in hit.buffers.items():
+                shells[path].load_packed_({b: tensors[n] for b, n in names.items()}, hit.meta[path], self.device,
+                                          name=path)
+        except (ModelError, KeyError) as exc:
+            log.warning("%s: %s; converting %s from the checkpoint", hit.path, exc, unit)
+            for path in mine:
+                shells[path].unload_()
+            return False
+        got[unit] += sum(_module_bytes(shells[p]) for p in mine)
+        return True
 
     def _missing(self, component: str) -> list[str]:
         return [u for u in self._units[component] if u not in self._memory.resident]
@@ -268,7 +312,7 @@ class Loader:
     def _load_timed(self, component: str, background: bool) -> None:
         start = time.perf_counter()
         units = self._missing(component)
-        got = self._load_units(component, set(units))
+        got, packed, written = self._load_units(component, set(units))
         with self._lock:
             self._memory.resident.update(got)
             self._measured.update(got)
@@ -276,11 +320,11 @@ class Loader:
             self._trim()  # what a load's blocks could not reuse of the cache
         nbytes = sum(got.values())
         self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background, len(units),
-                          len(self._units[component])))
+                          len(self._units[component]), packed, written))
         self._memory.observe()
-        log.info("swap in  %-15s %10d bytes %.3f s%s (%d of %d units)", component, nbytes,
-                 time.perf_counter() - start, " (prefetch)" if background else "", len(units),
-                 len(self._units[component]))
+        log.info("swap in  %-15s %10d bytes %.3f s%s (%d of %d units; %d from packed copies, %d written)",
+                 component, nbytes, time.perf_counter() - start, " (prefetch)" if background else "", len(units),
+                 len(self._units[component]), packed, written)
 
     def ensure(self, component: str) -> None:
         """Make `component` wholly resident (waiting for a prefetch of it, if one is running)."""
@@ -453,6 +497,20 @@ def _plain_batches(blocks: BlockReader, plain: list[tuple[str, list[str]]],
             held, unit = 0, C.unit_of(item[0])
         batches[-1].append(item)
         held += size(item)
+    return batches
+
+
+def _name_batches(blocks: BlockReader, names, limit: int = STAGE) -> list[list[str]]:
+    """Consecutive tensors of one file (in file order) in batches of about `limit` bytes, a larger one alone."""
+    batches: list[list[str]] = []
+    held = 0
+    for name in names:
+        size = blocks.index[name][3] - blocks.index[name][2]
+        if not batches or held + size > limit:
+            batches.append([])
+            held = 0
+        batches[-1].append(name)
+        held += size
     return batches
 
 

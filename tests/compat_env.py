@@ -3,6 +3,8 @@ the compat environment's Python, 3.10: no tomllib, so pyproject.toml is read thr
 
     python tests/compat_env.py torch-libs     the nvidia-* pins torch's shared libraries load at `import torch`
     python tests/compat_env.py requirements   torch's pure-Python deps, the runtime and serve extras, pytest, openai
+    python tests/compat_env.py room DIR       DIR's disk has room for the environment (a clear error if not)
+    python tests/compat_env.py prune          delete the parts of torch's CUDA libraries a CPU run never loads
     python tests/compat_env.py check VERSION  the environment is what it claims: that torch, no HF/GPTQ/Triton
 
 PyPI's x86_64 torch is a CUDA build whose metadata asks for 14 nvidia-* packages and Triton (3.7 GB of downloads
@@ -12,16 +14,23 @@ cuSPARSE links nvJitLink: the 11 kept here (2.8.0 fails to import without any, o
 left out are loaded lazily, on first use on a GPU: cuSOLVER (libtorch_cuda_linalg.so), NVRTC (CUDA JIT) and NVTX;
 Triton only serves torch.compile, which the runtime does not use (it must run without Triton). That saves 0.5 GB of
 download and 1.1 GB on disk (5.5 GB left); `check` imports torch, so a torch that links more fails the build, not
-the tests."""
+the tests.
+
+Of what is kept, a CPU run still never loads cuDNN's sub-libraries (libcudnn.so.9 dlopens them on a GPU's first
+cuDNN call), torch's CUDA linear algebra (dlopened on first use), NVBLAS, cuFFTW, cuPTI's profiling helpers or
+torch's C++ headers: `prune` deletes them, 1.2 GB, so the environment takes about 4.3 GB (a CI disk ran out at
+5.5). The Makefile installs the libraries one at a time, pruning after each, so pip never holds all their wheels
+and the unpacked libraries at once."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
 import re
+import shutil
 import sys
-
-from packaging.requirements import Requirement
+import sysconfig
+from pathlib import Path
 
 # torch's dependencies a CPU run never loads (see the module doc)
 LAZY = {"nvidia-cusolver", "nvidia-cuda-nvrtc", "nvidia-nvtx", "triton"}
@@ -30,6 +39,13 @@ ABSENT = ("transformers", "gptqmodel", "optimum", "triton")
 # Of the test extra, only what the runtime's tests import (the rest serves the quantize side, lint and packaging).
 TEST_TOOLS = {"pytest", "openai"}
 EXTRAS = ("runtime", "serve")
+# Under site-packages: what a CPU run of torch never loads (see the module doc).
+NEVER_LOADED = ("nvidia/cudnn/lib/libcudnn_*.so.*", "torch/lib/libtorch_cuda_linalg.so",
+                "nvidia/cublas/lib/libnvblas.so.*", "nvidia/cufft/lib/libcufftw.so.*",
+                "nvidia/cuda_cupti/lib/libnvperf_*.so", "nvidia/cuda_cupti/lib/libcheckpoint.so",
+                "nvidia/cuda_cupti/lib/libpcsamplingutil.so", "torch/include")
+# The pruned environment (4.3 GB) plus the largest download in flight and its unpacking (torch: 0.9 + 1.7 GB).
+ROOM_BYTES = 5 * 1024**3
 
 
 def _stem(name: str) -> str:
@@ -38,21 +54,28 @@ def _stem(name: str) -> str:
     return re.sub(r"-cu\d+$", "", name.lower().replace("_", "-"))
 
 
-def _applies(req: Requirement, extra: str = "") -> bool:
+def _applies(req, extra: str = "") -> bool:
     return req.marker is None or req.marker.evaluate({"extra": extra})
 
 
-def _plain(req: Requirement) -> str:
+def _plain(req) -> str:
     """`req` without its marker, evaluated already: pip would read `extra == ...` in a requirements file as false."""
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     return f"{req.name}{extras}{req.specifier}"
+
+
+def _requirement(line: str):
+    # packaging is installed into the fresh environment after `room` has run, so it is imported late.
+    from packaging.requirements import Requirement
+
+    return Requirement(line)
 
 
 def torch_requirements() -> tuple[list[str], list[str]]:
     """(the nvidia-* pins `import torch` needs, torch's pure-Python deps) from the installed torch's metadata."""
     libs, pure = [], []
     for line in md.requires("torch") or []:
-        req = Requirement(line)
+        req = _requirement(line)
         if not _applies(req) or _stem(req.name) in LAZY:
             continue
         (libs if req.name.lower().startswith("nvidia-") else pure).append(_plain(req))
@@ -62,7 +85,7 @@ def torch_requirements() -> tuple[list[str], list[str]]:
 def project_requirements() -> list[str]:
     """The base dependencies, the runtime and serve extras (self-references followed) and the test tools, torch left
     out: it is installed at the pinned version, and naming it again would make pip resolve its CUDA dependencies."""
-    reqs = [Requirement(line) for line in md.requires("orin-omni") or []]
+    reqs = [_requirement(line) for line in md.requires("orin-omni") or []]
     out, seen, todo = [], set(), ["", *EXTRAS]
     while todo:
         extra = todo.pop(0)
@@ -77,6 +100,32 @@ def project_requirements() -> list[str]:
             elif _plain(req) not in out:
                 out.append(_plain(req))
     return out + [_plain(r) for r in reqs if r.name in TEST_TOOLS and _applies(r, "test")]
+
+
+def room(directory: str, need: int = ROOM_BYTES) -> str:
+    """Why `directory`'s disk cannot hold the environment (empty when it can)."""
+    path = Path(directory).resolve()
+    while not path.exists():
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    if free >= need:
+        return ""
+    return (f"the compat environment needs about {need / 1024**3:.1f} GiB free on the disk of {path}, which has "
+            f"{free / 1024**3:.1f} GiB: free some space, or set COMPAT_VENV to a directory on a larger disk")
+
+
+def prune(site: Path) -> int:
+    """Delete what a CPU run of torch never loads under `site`; the bytes freed."""
+    freed = 0
+    for pattern in NEVER_LOADED:
+        for path in site.glob(pattern):
+            if path.is_dir():
+                freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                shutil.rmtree(path)
+            else:
+                freed += path.stat().st_size
+                path.unlink()
+    return freed
 
 
 def check(version: str) -> list[str]:
@@ -100,6 +149,14 @@ def main(argv: list[str]) -> int:
         print("\n".join(torch_requirements()[0]))
     elif argv[:1] == ["requirements"]:
         print("\n".join(torch_requirements()[1] + project_requirements()))
+    elif argv[:1] == ["room"] and len(argv) == 2:
+        problem = room(argv[1])
+        if problem:
+            print(f"compat environment: {problem}", file=sys.stderr)
+            return 1
+    elif argv[:1] == ["prune"]:
+        freed = prune(Path(sysconfig.get_paths()["purelib"]))
+        print(f"compat environment: pruned {freed / 1024**2:.0f} MiB that a CPU run never loads")
     elif argv[:1] == ["check"] and len(argv) == 2:
         problems = check(argv[1])
         for problem in problems:

@@ -74,13 +74,13 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     served, direct, plain = [], [], []
     read = Reader.read
 
-    def spy(self, names, max_gap=None):
+    def spy(self, names, max_gap=None, then=None):
         kw = {} if max_gap is None else {"max_gap": max_gap}
         hit = self._ahead is not None and self._ahead[0] == frozenset(names)
         (served if hit else direct).append(len(names))
         if max_gap == 0:
             plain.append(names)
-        return read(self, names, **kw)
+        return read(self, names, then=then, **kw)
 
     monkeypatch.setattr(Reader, "read", spy)
     ckpt = Checkpoint.open(quantized_dir)
@@ -95,3 +95,21 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     # a batch per unit at least (the rest, each layer), fewer reads than tensors
     assert len(loader.units("thinker_text")) <= len(plain) < len(plain_keys)
     assert len(modules) > 2 and len(direct) == 1 and len(served) >= len(modules) + len(plain) - 1
+
+
+def test_spans_larger_than_a_staging_buffer_and_reads_ahead_while_copying(checkpoint, monkeypatch):
+    """A span over STAGE bytes is read piece by piece through the two staging buffers; `then` starts the next
+    read before this one's copy is waited for: the tensors are the same."""
+    from orin import block_reader
+
+    path, tensors = checkpoint
+    monkeypatch.setattr(block_reader, "STAGE", 40)  # b.qweight alone is 512 bytes: 13 pieces
+    reader = BlockReader(path, torch.device("cpu"))
+    got = reader.read(["b.qweight", "c.scales"], then=["e.weight"])
+    assert torch.equal(got["b.qweight"], tensors["b.qweight"]) and torch.equal(got["c.scales"], tensors["c.scales"])
+    assert reader._ahead is None  # e.weight's 48 bytes exceed the buffer: read when asked, not ahead
+    assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
+    monkeypatch.setattr(block_reader, "STAGE", 64 << 20)
+    reader.read(["a.odd"], then=["e.weight"])
+    assert reader._ahead is not None and reader._ahead[0] == frozenset(["e.weight"])
+    assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])

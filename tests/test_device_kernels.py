@@ -282,3 +282,48 @@ def test_no_two_units_share_a_device_block(cuda_engine):
         ptr = p.untyped_storage().data_ptr()
         shared += owner.setdefault(ptr, unit) != unit
     assert shared == 0
+
+
+def test_packed_copies_give_the_converted_buffers_on_cuda(cuda_engine, tmp_path):
+    """The CUDA int4pack layout through orin.packed_cache: the first load writes each INT4 unit's copy, the next
+    reads it, and every buffer is bit-identical to what the conversion gave; a block read holds one unit only."""
+    import torch
+
+    from orin import components as C
+    from orin.packed_cache import PackedCache
+
+    engine = cuda_engine
+    loader = engine.loader
+    comps = ("thinker_text", "talker")
+
+    def buffers():
+        return {(p, b): t.clone() for p, s in loader.shells.items() if C.component_of(p + ".") in comps
+                for b, t in s.packed_state()[0].items()}
+
+    loader.packed = PackedCache.open(tmp_path, engine.ckpt, engine.device, engine.dtype)
+    try:
+        with torch.inference_mode():
+            for comp in comps:
+                loader.ensure(comp)
+            converted = buffers()
+            loader.take_swaps()
+            for _ in range(2):  # the first pass writes the copies, the second reads them
+                for comp in comps:
+                    loader.evict(comp)
+                for comp in comps:
+                    loader.ensure(comp)
+            ins = [s for s in loader.take_swaps() if s.direction == "in"]
+            units = {C.unit_of(p + ".") for p in loader.shells if C.component_of(p + ".") in comps}
+            assert sum(s.written for s in ins) == len(units) and sum(s.packed for s in ins) == len(units)
+            got = buffers()
+            assert got.keys() == converted.keys()
+            assert all(torch.equal(got[k], converted[k]) for k in converted)
+            owner: dict[int, str] = {}
+            for path, shell in loader.shells.items():
+                if C.component_of(path + ".") in comps:
+                    for t in shell.packed_state()[0].values():
+                        unit = owner.setdefault(t.untyped_storage().data_ptr(), C.unit_of(path + "."))
+                        assert unit == C.unit_of(path + "."), path
+    finally:
+        loader.packed = None
+        engine.decoders.weights_may_have_moved()

@@ -204,8 +204,8 @@ def test_execstart_runs_serve_with_options_from_the_environment_file():
     exec_start = next(line for line in lines if line.startswith("ExecStart="))
     assert exec_start == (
         f'ExecStart="{SCRIPT}" serve --model-dir ${{ORIN_OMNI_MODEL_DIR}} --host ${{ORIN_OMNI_HOST}} '
-        "--port ${ORIN_OMNI_PORT} --budget ${ORIN_OMNI_BUDGET} --api-key-file ${ORIN_OMNI_API_KEY_FILE} "
-        "--max-queue ${ORIN_OMNI_MAX_QUEUE}"
+        "--port ${ORIN_OMNI_PORT} --budget ${ORIN_OMNI_BUDGET} --packed-cache /var/cache/qwen3-omni/packed "
+        "--api-key-file ${ORIN_OMNI_API_KEY_FILE} --max-queue ${ORIN_OMNI_MAX_QUEUE}"
     )
     plain = next(line for line in directives(render_unit(unit_config())) if line.startswith("ExecStart="))
     assert "--api-key-file" not in plain and "--max-queue" not in plain

@@ -44,6 +44,7 @@ class SmokeConfig:
     max_speech_seconds: float | None = None  # in-process only; a server applies its own --max-speech-seconds
     voice: str | None = None
     timeout_s: float = 600.0
+    packed_cache: str | None = None  # in-process: orin.packed_cache's directory
 
 
 @dataclass(frozen=True)
@@ -446,7 +447,8 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         from ..engine import Engine, EngineConfig
 
         engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
-                                     power_backend=cfg.power_backend, sysfs_root=cfg.sysfs_root))
+                                     power_backend=cfg.power_backend, sysfs_root=cfg.sysfs_root,
+                                     packed_cache=cfg.packed_cache))
     try:
         budget_seen = (engine.memory() or {}).get("budget")
         target = EngineTarget(engine, cfg.voice, cfg.max_speech_seconds)

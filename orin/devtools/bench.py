@@ -28,7 +28,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..errors import UsageError
@@ -138,6 +138,13 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
         for i, budget in enumerate(cfg.budget_sliced):
             key = "orin_time_sliced" if i == 0 else f"orin_time_sliced_{i + 1}"
             sliced = part(key, lambda b=budget: run_time_sliced(cfg, model_dir, inputs, log_fn, b))
+            if sliced:
+                result.runs[key] = sliced
+        # the same budgets converting every INT4 layer on each load: what the packed copies are worth
+        unpacked = replace(cfg, packed_cache="off")
+        for budget in cfg.sliced_unpacked:
+            key = f"orin_time_sliced_unpacked_{budget >> 30}GiB"
+            sliced = part(key, lambda b=budget: run_time_sliced(unpacked, model_dir, inputs, log_fn, b))
             if sliced:
                 result.runs[key] = sliced
     any_run = next(iter(result.runs.values()), {})

@@ -43,6 +43,8 @@ class BenchConfig:
     json_out: str | None = None
     seed: int = 0
     hf_repeats: int = 2
+    packed_cache: str = "auto"  # a --packed-cache value (orin.packed_cache.resolve_dir): "auto", "off" or a path
+    sliced_unpacked: tuple[int, ...] = ()  # budgets run time-sliced again without packed copies (converting)
 
 
 def parse_compile(text: str) -> tuple[bool, ...]:

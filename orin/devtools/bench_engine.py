@@ -38,11 +38,13 @@ class Streamed:
 def open_engine(cfg: BenchConfig, model_dir: str, budget: int | None, compile: bool, prefetch: bool = True,
                 observer=None):
     from ..engine import Engine, EngineConfig
+    from ..packed_cache import resolve_dir
 
     # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
     return Engine(EngineConfig(model_dir=model_dir, device=cfg.device, budget=budget,
                                power_backend=cfg.power_backend, verify_checksums=not cfg.synthetic,
-                               compile=compile, prefetch=prefetch), observer=observer)
+                               compile=compile, prefetch=prefetch,
+                               packed_cache=resolve_dir(cfg.packed_cache, model_dir)), observer=observer)
 
 
 def stream_request(engine, request, cancel_after_audio: bool = False) -> Streamed:
@@ -105,8 +107,11 @@ def _load_all(engine) -> dict:
             engine.loader.ensure(comp)
     sync(engine.device)
     sizes = engine.loader.sizes()
+    swaps = engine.loader.swaps()
     out = {"load_s": time.perf_counter() - t0, "resident_bytes": engine.loader.resident_bytes(),
-           "resident_by_component": {c: sizes[c] for c in engine.loader.resident()}}
+           "resident_by_component": {c: sizes[c] for c in engine.loader.resident()},
+           # units read from their packed copies, and packed copies written (the first load with a cache)
+           "packed_units": sum(s.packed for s in swaps), "packed_written": sum(s.written for s in swaps)}
     if engine.device.type == "cuda":
         out["allocated_after_load"] = torch.cuda.memory_allocated()
     return out
@@ -207,6 +212,8 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         # what the process held from the driver (allocator cache included): the loader keeps it under the budget
         reserved = _peak_reserved(engine.device)
         note = "" if prefetch else ", no prefetch"
+        if engine.loader.packed is None:
+            note += ", no packed copies"
         label = f"orin-omni INT4 time-sliced, budget {format_bytes(budget)} ({run_name(compile)}{note})"
         summary = summarize_engine(report, label)
         summary["first_request"] = {"ttft_s": first.ttft_s, "first_audio_s": first.first_audio_s,

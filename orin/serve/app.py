@@ -65,6 +65,7 @@ class ServeConfig:
     max_failures: int = 3
     max_connections: int = 64
     served_model_name: str | None = None  # None: the name recorded in the checkpoint's manifest
+    packed_cache: str | None = None  # orin.packed_cache's directory (None: convert INT4 layers on every load)
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -275,7 +276,7 @@ def open_engine(cfg: ServeConfig):
 
     return Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
                                power_backend=cfg.power_backend, power_hz=cfg.power_hz, sysfs_root=cfg.sysfs_root,
-                               verify_checksums=cfg.verify_checksums))
+                               verify_checksums=cfg.verify_checksums, packed_cache=cfg.packed_cache))
 
 
 # ---------------------------------------------------------------------- process entry

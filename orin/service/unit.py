@@ -272,6 +272,8 @@ def _context(cfg: UnitConfig) -> dict:
         "--host", "${ORIN_OMNI_HOST}",
         "--port", "${ORIN_OMNI_PORT}",
         "--budget", "${ORIN_OMNI_BUDGET}",
+        # the model directory is read-only to the service: INT4 layers are kept in the GPU's layout here
+        "--packed-cache", f"/var/cache/{cfg.name}/packed",
     ]  # fmt: skip
     if cfg.api_key_file:
         serve_args += ["--api-key-file", "${ORIN_OMNI_API_KEY_FILE}"]
