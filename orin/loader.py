@@ -3,7 +3,8 @@
 The model skeleton is built once with every parameter on the meta device (buffers, a few MiB of rotary tables
 and offsets, are real). A component is loaded by reading its tensors straight from safetensors onto the target
 device and assigning them into the skeleton; INT4 modules are converted from their GPTQ tensors one module (one
-batch of experts) at a time, so no component is ever held twice. Swapping out replaces the tensors with meta
+batch of experts) at a time, so no component is ever held twice, or, where the unit has a valid packed copy
+(orin.packed_cache), read from it as they are; a unit converted is then written there for the next load. Swapping out replaces the tensors with meta
 tensors, frees them and empties the allocator cache: the Orin's memory is unified, so "offloading to CPU" would
 free nothing, and swapping in is a read from storage.
 

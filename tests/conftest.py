@@ -20,6 +20,10 @@ from fixture_checkpoints import (
 )
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CLI's --packed-cache defaults to packed-cache/ inside the model directory: commands the tests run on the
+# session's shared checkpoints would leave it there for the next test to find. tests/test_packed_cache.py turns
+# the copies on where it tests them.
+os.environ["ORIN_OMNI_PACKED_CACHE"] = "off"
 
 REAL_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
                            "qwen3-omni-30b-a3b-instruct.config.json")

@@ -75,3 +75,11 @@ def test_summary_with_energy_and_budget():
     text = render_summary(report, "/tmp/a.wav")
     assert "3.00 GiB of a 24.00 GiB budget" in text and "12.5 J, mean 25.0 W (ina3221)" in text
     assert "speech: 2.00 s (25 codec frames" in text and "/tmp/a.wav" in text
+
+
+def test_packed_cache_option_reaches_the_loader(quantized_dir, tmp_path):
+    """`--packed-cache DIR`: the thinker's INT4 layers are written there on this first load (the tests' default,
+    set in conftest, is off; the command line wins over the environment)."""
+    res = _run(quantized_dir, "--packed-cache", str(tmp_path / "copies"))
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "copies").iterdir())[:1] == ["thinker_text.0.safetensors"]
