@@ -103,9 +103,11 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20, start: int = 0) -> str:
+    """The sha256 of the file's bytes from `start` on."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
+        fh.seek(start)
         for block in iter(lambda: fh.read(chunk), b""):
             digest.update(block)
     return digest.hexdigest()

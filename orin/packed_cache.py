@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cuda_gate import GATE
-from .fsutil import atomic_path
+from .fsutil import atomic_path, sha256_file
 
 log = logging.getLogger("orin.packed_cache")
 
@@ -172,7 +172,7 @@ class PackedCache:
         with _LOCK:
             known = stamp in _VERIFIED
         if not known:
-            digest = _sha256_from(path, data_start)
+            digest = sha256_file(path, 8 << 20, start=data_start)
             if digest != record.get("sha256"):
                 return self._discard(path, "its sha256 does not match the one recorded when it was written")
             with _LOCK:
@@ -279,15 +279,6 @@ def _read_header(path: Path) -> tuple[dict, int]:
         if length > 1 << 26:
             raise ValueError(f"a header of {length} bytes")
         return json.loads(fh.read(length)), 8 + length
-
-
-def _sha256_from(path: Path, start: int, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as fh:
-        fh.seek(start)
-        for block in iter(lambda: fh.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 __all__ = ["PackedCache", "PackedUnit", "file_identities", "layout_key", "resolve_dir"]
