@@ -371,8 +371,9 @@ class Decoders:
         return any(d.runner.captures or getattr(d, "prefill_captures", 0) for d in self._made.values())
 
     def stats(self) -> dict:
-        """Per decoder: CUDA-graph captures and the torch.compile error, if compiling failed."""
-        return {kind: {"captures": d.runner.captures, "prefill_captures": getattr(d, "prefill_captures", 0),
+        """Per decoder: CUDA-graph captures (and their seconds) and the torch.compile error, if compiling failed."""
+        return {kind: {"captures": d.runner.captures, "capture_s": round(d.runner.capture_s, 4),
+                       "prefill_captures": getattr(d, "prefill_captures", 0),
                        "compiled": d.runner.compile, "compile_error": d.runner.compile_error}
                 for kind, d in self._made.items()}
 

@@ -292,7 +292,7 @@ class Engine:
             talker_ctx = (embeddings, prompt, hidden_states[0], hidden_states[accept])
         # The talker needs two of the prefill's hidden-state layers; the other layers are dead weight during decode.
         del hidden_states
-        vocoder = Vocoder(self.model, self.device, state, lambda: self._ensure_code2wav(plan),
+        vocoder = Vocoder(self.model, self.device, state, self._code2wav_stager(plan, state),
                           self.meter.stage) if req.speech else None
         detok = Detokenizer(self.tokenizer)
         while True:
@@ -301,10 +301,11 @@ class Engine:
             if delta:
                 yield TextDelta(delta, (token,))
             done = (token == eos and not req.ignore_eos) or len(state.tokens) >= req.max_new_tokens
-            if streaming:
-                if talker is None:
-                    self._stage(plan.stages.join)  # the speech side, prefetched since the prefill
-                    talker = self._start_talker(state, talker_ctx, plan)
+            # The talker joins once its weights (prefetched since the prefill) have landed; until then the
+            # thinker goes on decoding and the talker catches up on the tokens it finds.
+            if streaming and talker is None and (done or self.loader.arrived(plan.stages.join[0].comps)):
+                talker = self._join_talker(state, talker_ctx, plan)
+            if talker is not None and streaming:
                 yield from self._advance_talker(state, talker, vocoder, thinker_done=done)
             self._check(state)
             if done:
@@ -332,13 +333,39 @@ class Engine:
                 return
         yield from self._advance_talker(state, talker, vocoder, thinker_done=True, until_end=True)
         yield from vocoder.feed([], final=True)
+        vocoder.make_resident()  # staged once per request even when no frame came (the schedule `plan` shows)
 
-    def _ensure_code2wav(self, plan: RequestPlan) -> None:
+    def _code2wav_stager(self, plan: RequestPlan, state: RequestState):
+        """What the vocoder calls before each chunk: streaming, the speech side's last staging beside the
+        thinker, once (it may evict what that stage's working bytes need room from, as `plan` simulates);
+        otherwise code2wav alone, where it is not resident."""
         from .plan import working_bytes
         from .residency import StageCall
 
-        if not self.loader.is_resident("code2wav"):
-            self._stage(StageCall(("code2wav",), working_bytes(("code2wav",), plan.kv, plan.act, plan.margin)))
+        staged = []
+
+        def make_resident() -> None:
+            if plan.streaming:
+                if not staged:
+                    self._stage(plan.stages.join[-1])
+                    state.mark("speech_resident")
+                    staged.append(True)
+            elif not self.loader.is_resident("code2wav"):
+                self._stage(StageCall(("code2wav",), working_bytes(("code2wav",), plan.kv, plan.act, plan.margin)))
+
+        return make_resident
+
+    def _join_talker(self, state: RequestState, ctx, plan: RequestPlan):
+        """Streaming speech: the talker staged and prefilled, then the code predictor its first step needs (loading
+        meanwhile); code2wav follows with the first audio chunk (orin.vocoder asks for it)."""
+        first, *rest = plan.stages.join
+        self._stage(first)
+        state.mark("talker_resident")
+        talker = self._start_talker(state, ctx, plan)
+        for call in rest[:-1]:
+            self._stage(call)
+        state.mark("predictor_resident")
+        return talker
 
     # ------------------------------------------------------------------ talker
 

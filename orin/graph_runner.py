@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import torch
 
@@ -38,6 +40,7 @@ class GraphRunner:
         self._fingerprint = None
         self._out = None
         self.captures = 0
+        self.capture_s = 0.0  # the captures' wall time, warm-ups included
         self.compile_error: str | None = None
         self.check = True  # compare the weights' addresses with the capture's before the next replay
 
@@ -75,6 +78,7 @@ class GraphRunner:
         return self._out
 
     def _capture(self, fn) -> None:
+        start = time.perf_counter()
         layer = self._layer()
         try:
             self._graph, self._out = self._capture_with(fn, layer)
@@ -86,6 +90,7 @@ class GraphRunner:
             self.compile = False
             self._graph, self._out = self._capture_with(fn, decoder_layer)
         self.captures += 1
+        self.capture_s += time.perf_counter() - start
 
     def _capture_with(self, fn, layer):
         torch.cuda.synchronize(self.device)
@@ -96,8 +101,19 @@ class GraphRunner:
                 fn(layer)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with GATE, torch.cuda.graph(graph, pool=self.pool):
-            out = fn(layer)
+        # Not torch.cuda.graph(): it empties the allocator's cache (and the pinned host cache) before each capture.
+        # Time-sliced, a swap of the talker re-captures, and that handed the blocks the loader keeps for the next
+        # load (orin.loader._trim) back to the driver, to be allocated again.
+        with GATE, torch.cuda.stream(side):
+            torch.cuda.synchronize(self.device)
+            graph.capture_begin(*(() if self.pool is None else (self.pool,)))
+            try:
+                out = fn(layer)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture is invalid: end it, report the cause
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         return graph, out
 
     def release(self) -> None:

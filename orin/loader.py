@@ -335,6 +335,11 @@ class Loader:
         if not self.is_resident(component):
             self._load_timed(component, background=False)
 
+    def arrived(self, comps: tuple[str, ...]) -> bool:
+        """Whether staging `comps` now would not wait for a background load still under way (one that has not
+        started is loaded by the staging itself: waiting would not bring it)."""
+        return all(self._pending[c].done() for c in comps if c in self._pending)
+
     def prefetch(self, component: str) -> None:
         """Start loading what `component` lacks in the background; the caller has checked the budget allows it."""
         if self.is_resident(component) or component in self._pending:

@@ -33,17 +33,19 @@ class StageCall:
 @dataclass(frozen=True)
 class StagePlan:
     """A request's stagings by role, in order: the encoder stages, the thinker's (before the prefill), the
-    speech side joining the thinker (streaming speech), the speech stages after the text (the first one
-    starts the talker, a second one the vocoder), and the next request's first stage loaded in the background."""
+    speech side joining the thinker (streaming speech: one staging per speech component in order of need, the
+    talker's prefill starting while the code predictor and code2wav still load), the speech stages after the
+    text (the first one starts the talker, a second one the vocoder), and the next request's first stage loaded
+    in the background."""
 
     encode: tuple[StageCall, ...]
     think: StageCall
-    join: StageCall | None
+    join: tuple[StageCall, ...]
     speak: tuple[StageCall, ...]
     next: StageCall | None
 
     def calls(self) -> list[StageCall]:
-        out = [*self.encode, self.think, *([self.join] if self.join else []), *self.speak]
+        out = [*self.encode, self.think, *self.join, *self.speak]
         return out + ([self.next] if self.next else [])
 
 
@@ -72,7 +74,12 @@ def stage_plan(stages: Sequence[tuple[str, ...]], needed: Sequence[str], working
         think = call(("thinker_text",), speech_here)
     else:
         think = call(think_comps, speak_after[0] if speak_after else ())
-    join = call(think_comps) if speech and streaming else None
+    join: tuple[StageCall, ...] = ()
+    if speech and streaming:
+        # Waiting for the whole speech side cost the first audio its load time twice over at 20 GiB: the talker's
+        # prefill, its graph and the code predictor's waited for code2wav, needed only by the first audio chunk.
+        parts = [c for c in C.SPEECH_COMPONENTS if c in think_comps]
+        join = tuple(call(("thinker_text", *parts[:i + 1])) for i in range(len(parts) - 1)) + (call(think_comps),)
     speak: tuple[StageCall, ...] = ()
     if speech and not streaming:
         if len(speak_after) > 1:  # one component at a time: talk, then vocode

@@ -179,3 +179,65 @@ def test_the_thinker_stays_while_the_speech_side_makes_room_for_the_encoders(qua
                 assert "thinker_text" not in moved and moved, (i, report.swaps)
     finally:
         engine.close()
+
+
+def test_streaming_speech_joins_component_by_component_while_the_thinker_decodes(quantized_dir, reference,
+                                                                                 monkeypatch):
+    """Where the speech side loads behind the prefill, the talker's prefill waits for the talker alone and its
+    first step for the code predictor; code2wav is staged with the first audio chunk. Until the talker has
+    landed the thinker goes on decoding (here the talker's load is held back on purpose), and the outcome is
+    the all-resident one."""
+    import threading
+    import time
+
+    from orin.contract import Staged
+    from orin.decode import StaticDecoder
+
+    plans, outcomes = reference
+    probe = _engine(quantized_dir)
+    sizes = probe.loader.sizes()
+    probe.close()
+    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    seen: list[int] = []  # the thinker's decode steps made when each staging happened
+    step = StaticDecoder.step
+
+    def counted_step(self, token):
+        seen.append(token)
+        return step(self, token)
+
+    monkeypatch.setattr(StaticDecoder, "step", counted_step)
+    staged: list[tuple[tuple[str, ...], int]] = []
+    engine = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=budget,
+                                 verify_checksums=False),
+                    observer=lambda e: staged.append((e.components, len(seen))) if isinstance(e, Staged) else None)
+    load_units = engine.loader._load_units
+
+    def slow_talker(component, units):
+        if component == "talker" and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)
+        return load_units(component, units)
+
+    engine.loader._load_units = slow_talker
+    talker_loads = 0
+    try:
+        for _ in range(2):  # the second request finds the first one's leftovers: the steady state
+            seen.clear()
+            staged.clear()
+            events = list(engine.stream(KINDS["av"]))
+            report = next(e.report for e in events if isinstance(e, Done))
+            frames = [f for e in events if isinstance(e, AudioChunk) for f in e.frames]
+            samples = np.concatenate([e.samples for e in events if isinstance(e, AudioChunk)])
+            assert (report.token_ids, report.text, tuple(frames), samples.tobytes()) == outcomes["av"]
+            joins = [(stage, n) for stage, n in staged if "thinker_text" in stage and "talker" in stage]
+            assert [s for s, _ in joins][:2] == [("thinker_text", "talker"),
+                                                 ("thinker_text", "talker", "code_predictor")]
+            assert "code2wav" in joins[2][0]
+            if any(s.component == "talker" and s.direction == "in" for s in report.swaps):  # the first request
+                assert joins[0][1] > 0, "the thinker waited for the talker's load instead of decoding"
+                talker_loads += 1
+            t = report.timeline_s
+            assert t["talker_resident"] <= t["talker_prefilled"] <= t["predictor_resident"] <= t["speech_resident"] \
+                <= t["first_audio"]
+        assert talker_loads == 1
+    finally:
+        engine.close()

@@ -225,6 +225,7 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         summary["swap_detail"] = [s.to_json() for s in report.swaps]
         summary["planned_steady_bytes_loaded"] = sum(m.loaded() for m in planned)
         summary["peak_reserved_bytes"] = reserved
+        summary["decoders"] = engine.decoder_stats()  # captures: how often a swap moved a decoder's weights
         log_fn(f"[time-sliced {format_bytes(budget)}{note}] steady state: ttft {summary['ttft_s']:.3f} s, first audio "
                f"{summary['first_audio_s'] or 0:.3f} s, total {report.total_s:.2f} s, peak "
                f"{format_bytes(summary['peak_bytes'] or 0)}, swapped in {summary['swap_in_bytes'] / 1e9:.2f} GB in "
