@@ -305,7 +305,7 @@ class Engine:
             # thinker goes on decoding and the talker catches up on the tokens it finds.
             if streaming and talker is None and (done or self.loader.arrived(plan.stages.join[0].comps)):
                 talker = self._join_talker(state, talker_ctx, plan)
-            if talker is not None and streaming:
+            if talker is not None:
                 yield from self._advance_talker(state, talker, vocoder, thinker_done=done)
             self._check(state)
             if done:
@@ -342,14 +342,15 @@ class Engine:
         from .plan import working_bytes
         from .residency import StageCall
 
-        staged = []
+        staged = False
 
         def make_resident() -> None:
+            nonlocal staged
             if plan.streaming:
                 if not staged:
                     self._stage(plan.stages.join[-1])
                     state.mark("speech_resident")
-                    staged.append(True)
+                    staged = True
             elif not self.loader.is_resident("code2wav"):
                 self._stage(StageCall(("code2wav",), working_bytes(("code2wav",), plan.kv, plan.act, plan.margin)))
 

@@ -76,8 +76,8 @@ def stage_plan(stages: Sequence[tuple[str, ...]], needed: Sequence[str], working
         think = call(think_comps, speak_after[0] if speak_after else ())
     join: tuple[StageCall, ...] = ()
     if speech and streaming:
-        # Waiting for the whole speech side cost the first audio its load time twice over at 20 GiB: the talker's
-        # prefill, its graph and the code predictor's waited for code2wav, needed only by the first audio chunk.
+        # One staging for the whole speech side made the talker's prefill wait for all of it (1.14 GB at 20 GiB),
+        # code2wav included, which only the first audio chunk needs.
         parts = [c for c in C.SPEECH_COMPONENTS if c in think_comps]
         join = tuple(call(("thinker_text", *parts[:i + 1])) for i in range(len(parts) - 1)) + (call(think_comps),)
     speak: tuple[StageCall, ...] = ()

@@ -216,8 +216,7 @@ def _decode(container, label: str, opts: VideoOptions) -> Video:
                     size = frame_size(frame.height, frame.width, opts.max_frame_pixels)
                 # the first frame at or after each sampling time not yet served (a frame may serve several)
                 while len(frames) < len(targets) and targets[len(frames)] <= t + 1e-6:
-                    if not frames or frames[-1] is not None:
-                        frames.append(frame.to_ndarray(format="rgb24", width=size[1], height=size[0]))
+                    frames.append(frame.to_ndarray(format="rgb24", width=size[1], height=size[0]))
                     times.append(t)
     except av.error.InvalidDataError as exc:
         if not decoded:
@@ -240,8 +239,8 @@ def _decode(container, label: str, opts: VideoOptions) -> Video:
             frames.append(frames[-1])
             times.append(times[-1])
     track = np.concatenate(audio).astype(np.float32, copy=False) if audio else None
-    if track is not None and (track.size == 0 or not np.isfinite(track).all()):
-        track = None if track.size == 0 else np.nan_to_num(track)
+    if track is not None and track.size == 0:  # an audio stream without a decodable sample: no soundtrack
+        track = None
     return Video(frames=np.stack(frames), fps=len(frames) / duration, timestamps=tuple(times), duration=duration,
                  audio=track, source={"codec": codec, "width": width, "height": height,
                                       "rate": float(vstream.average_rate) if vstream.average_rate else None,
