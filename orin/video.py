@@ -182,15 +182,12 @@ def _decode(container, label: str, opts: VideoOptions) -> Video:
         raise InputError(f"{label} is {width}x{height} pixels, over the {opts.max_source_pixels}-pixel limit; "
                          "scale it down first (e.g. ffmpeg -i in.mp4 -vf scale=-2:1080 out.mp4)")
     duration = _duration(container, vstream)
-    if duration is not None and duration > opts.max_seconds:
+    if duration is None or duration <= 0:
+        duration = _scan_duration(container, vstream, label)
+    if duration > opts.max_seconds:
         raise InputError(f"{label} is {duration:.1f} s long, over the {opts.max_seconds:g} s limit; trim it or "
                          "raise --max-video-seconds")
     astream = container.streams.audio[0] if opts.audio and container.streams.audio else None
-    if duration is None or duration <= 0:
-        duration = _scan_duration(container, vstream, label)
-        if duration > opts.max_seconds:
-            raise InputError(f"{label} is {duration:.1f} s long, over the {opts.max_seconds:g} s limit; trim it or "
-                             "raise --max-video-seconds")
     start = float(vstream.start_time * vstream.time_base) if vstream.start_time is not None else 0.0
     targets = _targets(duration, opts)
     size = None
@@ -215,8 +212,11 @@ def _decode(container, label: str, opts: VideoOptions) -> Video:
                 if size is None:
                     size = frame_size(frame.height, frame.width, opts.max_frame_pixels)
                 # the first frame at or after each sampling time not yet served (a frame may serve several)
+                rgb = None
                 while len(frames) < len(targets) and targets[len(frames)] <= t + 1e-6:
-                    frames.append(frame.to_ndarray(format="rgb24", width=size[1], height=size[0]))
+                    if rgb is None:
+                        rgb = frame.to_ndarray(format="rgb24", width=size[1], height=size[0])
+                    frames.append(rgb)
                     times.append(t)
     except av.error.InvalidDataError as exc:
         if not decoded:
