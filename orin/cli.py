@@ -85,21 +85,27 @@ def tiny_model_cmd(out, seed, force):
 @click.option("--images", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--image-size", type=click.IntRange(min=1), default=224, show_default=True)
 @click.option("--video-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--video-fps", type=click.FloatRange(min=0, min_open=True, max=60), default=2.0, show_default=True,
+              help="Video frames sampled per second.")
+@click.option("--video-frame-pixels", type=click.IntRange(min=32 * 32), default=448 * 448, show_default=True,
+              help="Cap on a sampled frame's area.")
+@click.option("--video-audio/--no-video-audio", default=True, show_default=True,
+              help="The video's soundtrack interleaved with its frames.")
 @click.option("--text-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Text tokens to generate.")
 @click.option("--speech/--no-speech", default=True, show_default=True)
 @click.option("--group-size", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--segments", "segments", default=None,
               help="Segment split, e.g. 'thinker=audio_encoder+thinker_text;talker_vision=vision_encoder+talker+code_predictor+code2wav'.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, text_tokens, speech, group_size,
-             segments, as_json):
+def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, video_fps, video_frame_pixels,
+             video_audio, text_tokens, speech, group_size, segments, as_json):
     """Size MODEL (checkpoint dir or config.json) per component and segment, and say whether a request fits."""
     from .plan import PlanConfig, make_plan, render_plan
 
     cfg = PlanConfig(
         model=model, budget=budget, audio_seconds=audio_seconds, images=images, image_size=image_size,
-        video_seconds=video_seconds, text_tokens=text_tokens, speech=speech, group_size=group_size,
-        segments=segments,
+        video_seconds=video_seconds, video_fps=video_fps, video_frame_pixels=video_frame_pixels,
+        video_audio=video_audio, text_tokens=text_tokens, speech=speech, group_size=group_size, segments=segments,
     )
     result = make_plan(cfg)
     if as_json:
@@ -191,6 +197,15 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--image", "images", multiple=True, type=click.Path(), help="PNG/JPEG image (repeatable).")
 @click.option("--audio", "audios", multiple=True, type=click.Path(),
               help="WAV/FLAC (MP3 where libsndfile decodes it), any sample rate (repeatable).")
+@click.option("--video", "videos", multiple=True, type=click.Path(),
+              help="Video file (MP4, MKV, WebM, MOV...; decoded by PyAV's bundled FFmpeg), with its soundtrack "
+                   "(repeatable).")
+@click.option("--fps", "video_fps", type=float, default=2.0, show_default=True,
+              help="Video frames sampled per second (4 to 768 frames a clip).")
+@click.option("--video-audio/--no-video-audio", default=True, show_default=True,
+              help="Interleave each video's soundtrack with its frames.")
+@click.option("--max-video-seconds", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Refuse longer videos.")
 @click.option("--out-wav", type=click.Path(dir_okay=False), default=None,
               help="Answer with speech too and write it here (24 kHz WAV).")
 @click.option("--speech/--no-speech", default=None,
@@ -207,15 +222,18 @@ def uninstall_service_cmd(name, root, dry_run):
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
 @_packed_cache_option
-def generate_cmd(model_dir, text, images, audios, out_wav, speech, budget, max_new_tokens, max_audio_frames,
-                 voice, temperature, device, power_backend, as_json, packed_cache):
+def generate_cmd(model_dir, text, images, audios, videos, video_fps, video_audio, max_video_seconds, out_wav, speech,
+                 budget, max_new_tokens, max_audio_frames, voice, temperature, device, power_backend, as_json,
+                 packed_cache):
     """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
     energy, where the speech went) on stderr."""
     from .generate import GenerateConfig, run_generate
     from .packed_cache import resolve_dir
 
     run_generate(GenerateConfig(
-        model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), out_wav=out_wav, speech=speech,
+        model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), videos=tuple(videos),
+        video_fps=video_fps, video_audio=video_audio, max_video_seconds=max_video_seconds, out_wav=out_wav,
+        speech=speech,
         budget=budget, max_new_tokens=max_new_tokens, voice=voice, device=device, as_json=as_json,
         power_backend=power_backend, temperature=temperature, max_audio_frames=max_audio_frames,
         packed_cache=resolve_dir(packed_cache, model_dir),
@@ -236,7 +254,7 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 @click.option("--max-queue", type=click.IntRange(min=0), default=4, show_default=True,
               help="Requests that may wait for the GPU; more get HTTP 429.")
 @click.option("--allow-dir", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Allow file:// image URLs under this directory (default: refused).")
+              help="Allow file:// image and video URLs under this directory (default: refused).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--power-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=10.0, show_default=True)
@@ -248,6 +266,7 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 @click.option("--max-body", type=SIZE, default="64MiB", show_default=True, help="Largest request body.")
 @click.option("--max-audio-seconds", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True)
 @click.option("--max-image-pixels", type=click.IntRange(min=1), default=32 * 1024 * 1024, show_default=True)
+@click.option("--max-video-seconds", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True)
 @click.option("--max-speech-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Cap on the speech one answer may generate (default: follows the text).")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
@@ -256,9 +275,10 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
               help="The model id clients pass as model= (default: the name recorded in the checkpoint's manifest).")
 @_packed_cache_option
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
-              sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_speech_seconds,
-              drain_seconds, served_model_name, packed_cache):
-    """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio in, speech out)."""
+              sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_video_seconds,
+              max_speech_seconds, drain_seconds, served_model_name, packed_cache):
+    """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio/video in, speech
+    out)."""
     from .packed_cache import resolve_dir
     from .serve.app import ServeConfig, serve
 
@@ -266,7 +286,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
         model_dir=model_dir, host=host, port=port, budget=budget, api_key_file=api_key_file, max_queue=max_queue,
         allow_dir=allow_dir, device=device, power_backend=power_backend, power_hz=power_hz, sysfs_root=sysfs_root,
         verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
-        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels,
+        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels, max_video_seconds=max_video_seconds,
         max_speech_seconds=max_speech_seconds, drain_s=drain_seconds, served_model_name=served_model_name,
         packed_cache=resolve_dir(packed_cache, model_dir),
     ))
@@ -287,19 +307,21 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
 @click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds to wait for each HTTP request.")
+@click.option("--video/--no-video", default=True, show_default=True,
+              help="Also send a short clip with a soundtrack and check the answer and its prompt tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @_packed_cache_option
 @click.pass_context
 def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voice, device, power_backend, timeout_s,
-              as_json, packed_cache):
-    """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text and speech requests,
-    TTFT, peak memory, WAV output, power. Exits 1 if any check fails."""
+              video, as_json, packed_cache):
+    """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text, speech and video
+    requests, TTFT, peak memory, WAV output, video prompt tokens, power. Exits 1 if any check fails."""
     from .checks.smoke import SmokeConfig, render_table, run_smoke
     from .packed_cache import resolve_dir
 
     result = run_smoke(SmokeConfig(
         url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
-        voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s,
+        voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s, video=video,
         packed_cache=resolve_dir(packed_cache, model_dir),
     ))
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
@@ -372,11 +394,20 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
 @_packed_cache_option
 @click.option("--sliced-unpacked", type=SIZE, multiple=True, default=[],
               help="Run this budget time-sliced again with --packed-cache off (repeatable): the copies' worth.")
+@click.option("--video-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Also run the video cases: one image + a clip this long with its soundtrack (0: none).")
+@click.option("--video-fps", type=click.FloatRange(min=0, min_open=True), multiple=True, default=[2.0],
+              show_default=True, help="Sampling rate of a video case (repeatable: one case per rate).")
+@click.option("--video-size", type=click.IntRange(min=32), default=448, show_default=True,
+              help="Side of the video cases' square frames (a multiple of 32).")
+@click.option("--video-only", is_flag=True,
+              help="Only the video cases: no standard request, time-sliced runs, kernel timings or profile.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
               audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
-              seed, hf_repeats, packed_cache, sliced_unpacked):
+              seed, hf_repeats, packed_cache, sliced_unpacked, video_seconds, video_fps, video_size, video_only):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
-    and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps."""
+    and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps. With
+    --video-seconds, the video cases too (image + video with its soundtrack -> text + speech)."""
     from .devtools.bench import BenchConfig, parse_compile, render_table, run_bench
 
     result = run_bench(BenchConfig(
@@ -385,7 +416,8 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         audio_frames=audio_frames, budget_sliced=tuple(budget_sliced), skip_hf=skip_hf, skip_sliced=skip_sliced,
         compile=parse_compile(compile_settings), profile=profile, power_backend=power_backend,
         json_out=json_out, seed=seed, hf_repeats=hf_repeats, packed_cache=packed_cache,
-        sliced_unpacked=tuple(sliced_unpacked),
+        sliced_unpacked=tuple(sliced_unpacked), video_seconds=video_seconds, video_fps=tuple(video_fps),
+        video_size=video_size, video_only=video_only,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
 

@@ -55,6 +55,13 @@ CODE2WAV_CHUNK = 32
 CODE2WAV_LEFT_CONTEXT = 25
 # The talker may start speaking after the thinker has produced this many text tokens.
 TALKER_START_TOKENS = 1
+# The most patches one vision-encoder pass over a video takes (whole temporal grids; 784 patches a grid at 448²):
+# the encoder attends within a temporal grid only, so a clip goes through a few grids at a time.
+VIDEO_ENCODE_PATCHES = 16384
+# Over this prompt length (a video's tens of thousands of tokens) the prefill runs eagerly, not from a CUDA
+# graph (whose pool would keep a one-off length's intermediates), and this many tokens at a time through all
+# layers (orin.decode): its working memory is a chunk's whatever the prompt's length.
+LONG_PREFILL_TOKENS = 4096
 
 
 def component_of(param_name: str) -> str | None:

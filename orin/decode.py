@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import components as C
 from .decoder_layer import decoder_layer, layer_weights, supported
 from .errors import ModelError
 from .graph_runner import GraphRunner
@@ -90,6 +91,9 @@ class StaticDecoder:
                                  "(Qwen3-Omni's are SiLU): this checkpoint is not a Qwen3-Omni one")
 
     def _alloc(self, max_len: int) -> None:
+        # the old caches, and the graphs that read them, go first: a grown cache (a long video after a short
+        # prompt) never sits beside its predecessor
+        self.release()
         cfg = self.cfg
         dtype = self.head.weight.dtype
         shape = (1, cfg.num_key_value_heads, max_len, cfg.head_dim)
@@ -101,8 +105,6 @@ class StaticDecoder:
         self.idx = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.delta = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.max_len = max_len
-        self.runner.release()
-        self._release_prefill_graphs()
 
     def _release_prefill_graphs(self) -> None:
         for runner, _ in self._prefill_graphs.values():
@@ -141,7 +143,9 @@ class StaticDecoder:
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
         masks them until it overwrites them."""
         T = int(embeds.shape[0])
-        graph = graph and self.runner.graph_enabled and self._prefill_capturable(embeds)
+        # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
+        graph = graph and T <= C.LONG_PREFILL_TOKENS and self.runner.graph_enabled and \
+            self._prefill_capturable(embeds)
         bucket = bucket or (PREFILL_BUCKET if graph else 1)
         Tb = -(-T // bucket) * bucket
         if max(max_len, Tb) > self.max_len or not self.k_cache:
@@ -149,12 +153,15 @@ class StaticDecoder:
         m = self.model
         cos, sin = m.rotary_emb(embeds.unsqueeze(0), position_ids)
         inputs = {"x": embeds, "cos": cos[0], "sin": sin[0]}
-        if visual is not None and visual[1]:
+        eager_visual = None
+        if visual is not None and visual[1] and graph:  # a captured graph takes them as one static [L, T, H]
             rows = visual[0]
             ds = embeds.new_zeros((len(visual[1]), T, embeds.shape[1]))
             for i, feat in enumerate(visual[1]):
                 ds[i].index_copy_(0, rows, feat.to(ds.dtype))
             inputs["ds"] = ds
+        elif visual is not None and visual[1]:  # eagerly, added at their rows: no [L, T, H] for a long video
+            eager_visual = visual
         if Tb > T:
             inputs = {k: F.pad(v, (0, 0, 0, Tb - T)) for k, v in inputs.items()}
         if Tb > T or graph:  # padding rows route to no expert: the MoE, most of a prefill's work, skips them
@@ -163,8 +170,10 @@ class StaticDecoder:
         record = tuple(sorted(set(record)))
         if graph:
             logits, hidden, states = self._prefill_graph(Tb, record, inputs)
+        elif T > C.LONG_PREFILL_TOKENS:
+            logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS)
         else:
-            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
+            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, eager_visual)
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
@@ -177,7 +186,37 @@ class StaticDecoder:
         return all(layer.mlp.experts.fused(rows, layer.mlp.gate.top_k)
                    for layer in self.model.layers if hasattr(layer.mlp, "experts"))
 
-    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...]):
+    def _prefill_chunked(self, inputs: dict, record: tuple[int, ...], visual: tuple | None, chunk: int):
+        """A long prompt (a video's tens of thousands of tokens) `chunk` tokens at a time through all layers,
+        each chunk attending to the cache the chunks before it wrote: the working memory is a chunk's, whatever
+        the prompt's length; only the recorded hidden states the talker reads are kept whole."""
+        m = self.model
+        x_all, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
+        T = x_all.shape[0]
+        layers = []
+        for layer in m.layers:
+            spec, w = layer_weights(layer, self.device)
+            if spec.mlp != "dense":
+                w["experts_module"] = layer.mlp.experts
+            layers.append((spec, w))
+        states = {i: (x_all if i == 0 else torch.empty_like(x_all)) for i in record}
+        hidden = None
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            x = x_all[s:e]
+            for i, (spec, w) in enumerate(layers):
+                x = decoder_layer(x, cos[s:e], sin[s:e], None, self.positions[s:e], self.k_cache[i],
+                                  self.v_cache[i], w, spec, prefix=s)
+                if i + 1 in record:
+                    states[i + 1][s:e] = m.norm(x) if i + 1 == len(layers) else x
+                if visual is not None and i < len(visual[1]):
+                    here = (visual[0] >= s) & (visual[0] < e)
+                    x = x.index_add(0, visual[0][here] - s, visual[1][i][here].to(x.dtype))
+            if e == T:
+                hidden = m.norm(x[-1:])
+        return self.head(hidden), hidden.unsqueeze(0), states
+
+    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...], visual: tuple | None = None):
         m = self.model
         x = inputs["x"]
         pos = self.positions[:x.shape[0]]
@@ -194,6 +233,8 @@ class StaticDecoder:
                 states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed
             if ds is not None and i < ds.shape[0]:
                 x = x + ds[i]
+            elif visual is not None and i < len(visual[1]):
+                x = x.index_add(0, visual[0], visual[1][i].to(x.dtype))
         hidden = m.norm(x.index_select(0, inputs["last"]))
         return self.head(hidden), hidden.unsqueeze(0), states
 

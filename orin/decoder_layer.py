@@ -29,6 +29,7 @@ from .text_model import topk_routing
 log = logging.getLogger("orin.decoder_layer")
 
 
+
 @dataclass(frozen=True)
 class LinearSpec:
     """Static shape of one projection: dense (bf16 weight) or INT4 (int4pack weight + scales_and_zeros)."""
@@ -166,10 +167,32 @@ def _moe(h, spec: LayerSpec, w: dict):
     return y
 
 
-def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec):
+def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
+    """A prefill chunk's queries q [heads, T, hd] at positions prefix.. over the cache's first prefix + T keys,
+    causally (lower-right aligned), one KV head's group of query heads at a time: its keys are expanded over the
+    group, not copied for all heads (a 25k-token cache repeated over 32 heads is 400 MB)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads, T, hd = q.shape
+    kv = spec.kv_heads
+    rep = heads // kv
+    L = prefix + T
+    bias = causal_lower_right(T, L)
+    out = q.new_empty((T, heads * hd))
+    for g in range(kv):
+        k = k_cache[0, g, :L].unsqueeze(0).expand(rep, L, hd)
+        v = v_cache[0, g, :L].unsqueeze(0).expand(rep, L, hd)
+        att = F.scaled_dot_product_attention(q[g * rep:(g + 1) * rep].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=bias, scale=spec.scaling)
+        out[:, g * rep * hd:(g + 1) * rep * hd] = att[0].transpose(0, 1).reshape(T, rep * hd)
+    return out
+
+
+def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):
     """One decoder layer for T positions. x [T, H]; cos/sin [T, head_dim]; pos [T] cache positions; mask
-    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group), or None for a prefill from
-    position 0 (causal over the T new keys, the cache's older contents unread); the caches are updated in
+    [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group), or None for a prefill: from
+    position 0 (`prefix` 0: causal over the T new keys, the cache's older contents unread), or a later chunk of
+    one (`prefix` > 0: the T new keys after the prefix's, already in the cache); the caches are updated in
     place. Returns the layer's output [T, H]."""
     T = x.shape[0]
     hd, kv = spec.head_dim, spec.kv_heads
@@ -181,7 +204,9 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     k_cache.index_copy_(2, pos, k.unsqueeze(0))
     v_cache.index_copy_(2, pos, v.unsqueeze(0))
-    if mask is None:
+    if mask is None and prefix:
+        att = _attend_after(q, k_cache, v_cache, prefix, spec)
+    elif mask is None:
         att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                              scale=spec.scaling, enable_gqa=True)
         att = att[0].transpose(0, 1).reshape(T, spec.heads * hd)

@@ -124,7 +124,7 @@ class Engine:
         """The request's prompt as the model sees it (orin.prompt.Prompt)."""
         from .prompt import prepare_prompt
 
-        return prepare_prompt(self.processor, self.config.thinker_config, req.messages, self.device)
+        return prepare_prompt(self.processor, self.config.thinker_config, req.messages, self.device, self.dtype)
 
     def plan(self, req: GenerationRequest) -> RequestPlan:
         """The planner's verdict and schedule for `req` under this engine's budget, without running it (a
@@ -199,19 +199,22 @@ class Engine:
         need = {"thinker_text"}
         if prompt.has_audio:
             need.add("audio_encoder")
-        if prompt.has_image:
+        if prompt.has_image or prompt.has_video:
             need.add("vision_encoder")
         if req.speech:
             need.update(C.SPEECH_COMPONENTS)
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings
+        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings, vision_pass_patches
 
         n = prompt.length
-        tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": 0, "prompt": n,
-                  "generated": req.max_new_tokens, "total": n + req.max_new_tokens,
-                  "talker_frames": req.frame_cap if req.speech else 0, "vision_patches": prompt.vision_patches}
+        tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": prompt.n_video_tokens,
+                  "prompt": n, "generated": req.max_new_tokens, "total": n + req.max_new_tokens,
+                  "talker_frames": req.frame_cap if req.speech else 0,
+                  "vision_patches": vision_pass_patches(prompt.image_grids, prompt.video_grids),
+                  "vision_frame_patches": max((h * w for _, h, w in prompt.image_grids + prompt.video_grids),
+                                              default=0)}
         kv = kv_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
         act = activation_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
         budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62
@@ -256,7 +259,7 @@ class Engine:
         streaming = plan.streaming
         inputs = {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
 
-        audio_feats, image_feats = None, None
+        audio_feats, image_feats, video_feats = None, None, None
         for call in plan.stages.encode:
             self._stage(call)
             with self.meter.stage("encode"):
@@ -264,8 +267,15 @@ class Engine:
                     audio_feats = self.thinker.encode_audio(inputs, prompt, graph=plan.keeps_weights)
                     state.mark("audio_encoded")
                 if "vision_encoder" in call.comps:
-                    image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
-                    state.mark("image_encoded")
+                    if prompt.has_image:
+                        image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
+                        state.mark("image_encoded")
+                    if prompt.has_video:
+                        video_feats = self.thinker.encode_video(inputs, prompt)
+                        # a two-minute clip's pixel values are ~0.6 GB: gone before the prefill needs the room
+                        inputs.pop("pixel_values_videos")
+                        prompt.inputs.pop("pixel_values_videos", None)
+                        state.mark("video_encoded")
             self._check(state)
         state.mark("encoded")
         self._stage(plan.stages.think)
@@ -274,7 +284,9 @@ class Engine:
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
         # the prefill's launches take the GIL and the GPU back from a background load (orin.cuda_gate)
         with self.meter.stage("thinker_prefill"), GATE:
-            merged = self.thinker.merge(inputs, prompt, audio_feats, image_feats)
+            merged = self.thinker.merge(inputs, prompt, audio_feats, image_feats, video_feats)
+            # merged holds what the prefill reads (the features in their rows, the deepstack levels joined)
+            del audio_feats, image_feats, video_feats
             state.mark("merged")
             decoder, hidden_states, logits = self.thinker.prefill(merged, prompt.length + req.max_new_tokens,
                                                                   plan.keeps_weights)

@@ -18,6 +18,10 @@ class GenerateConfig:
     text: str | None = None
     images: tuple[str, ...] = ()
     audios: tuple[str, ...] = ()
+    videos: tuple[str, ...] = ()
+    video_fps: float = 2.0  # frames sampled per second of each video
+    video_audio: bool = True  # each video's soundtrack interleaved with its frames (Qwen3-Omni's audio in video)
+    max_video_seconds: float = 600.0
     out_wav: str | None = None
     speech: bool | None = None  # None: speak when --out-wav says where the speech goes
     budget: int | None = None
@@ -36,17 +40,24 @@ class GenerateConfig:
 
 
 def build_request(cfg: GenerateConfig):
-    """Read the media files (any sample rate, resampled to 16 kHz; PNG/JPEG) into one user message."""
+    """Read the media files (any sample rate, resampled to 16 kHz; PNG/JPEG; videos sampled at `video_fps`) into
+    one user message."""
     from .contract import GenerationRequest
     from .media import load_audio, load_image
 
-    if not (cfg.text or cfg.images or cfg.audios):
-        raise InputError("nothing to answer: give --text, --image or --audio")
+    if not (cfg.text or cfg.images or cfg.audios or cfg.videos):
+        raise InputError("nothing to answer: give --text, --image, --audio or --video")
     parts = []
     for path in cfg.images:
         parts.append({"type": "image", "image": load_image(path)})
     for path in cfg.audios:
         parts.append({"type": "audio", "audio": load_audio(path)})
+    if cfg.videos:
+        from .video import VideoOptions, load_video
+
+        opts = VideoOptions(fps=cfg.video_fps, audio=cfg.video_audio, max_seconds=cfg.max_video_seconds)
+        for path in cfg.videos:
+            parts.append({"type": "video", "video": load_video(path, opts)})
     if cfg.text:
         parts.append({"type": "text", "text": cfg.text})
     return GenerationRequest(

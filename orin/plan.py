@@ -30,7 +30,6 @@ def frame_cap(text_tokens: int, max_frames: int | None = None) -> int:
     The engine stops the talker here, and the planner sizes the talker's KV cache from it."""
     return max_frames or text_tokens * 8 + 32
 AUDIO_FRAMES_PER_SECOND = 100  # Whisper features: 10 ms hop at 16 kHz
-VIDEO_FPS = 2.0
 # Device memory a request needs beyond weights, KV cache and the largest live activations: the decoders'
 # CUDA-graph pools and static-cache bookkeeping, the prefill hidden states kept for the talker, cuBLAS
 # workspaces and allocator slack. Measured ~0.5 GiB above the estimate at real dimensions on an H200
@@ -49,6 +48,9 @@ class PlanConfig:
     images: int = 1
     image_size: int = 224
     video_seconds: float = 0.0
+    video_fps: float = 2.0
+    video_frame_pixels: int = 448 * 448
+    video_audio: bool = True
     text_tokens: int = 256
     speech: bool = True
     group_size: int = 128
@@ -65,6 +67,9 @@ class Request:
     images: int = 0
     image_size: int = 224
     video_seconds: float = 0.0
+    video_fps: float = 2.0  # orin.video's sampling: frames per second, within its frame bounds
+    video_frame_pixels: int = 448 * 448  # a sampled frame's area cap (square frames assumed)
+    video_audio: bool = True  # the clip's soundtrack interleaved with its frames
     text_tokens: int = 256
     speech: bool = True
     prompt_text_tokens: int = PROMPT_TEXT_TOKENS
@@ -131,7 +136,7 @@ def model_dims(config) -> dict:
         "thinker": {"layers": tt.num_hidden_layers, "hidden": tt.hidden_size, "heads": tt.num_attention_heads,
                     "kv_heads": tt.num_key_value_heads, "head_dim": tt.head_dim, "experts": tt.num_experts,
                     "top_k": tt.num_experts_per_tok, "moe_intermediate": tt.moe_intermediate_size,
-                    "vocab": tt.vocab_size},
+                    "vocab": tt.vocab_size, "deepstack": len(vi.deepstack_visual_indexes)},
         "audio": {"d_model": au.d_model, "ffn": au.encoder_ffn_dim, "layers": au.encoder_layers,
                   "n_window": au.n_window, "mel_bins": au.num_mel_bins, "conv_channels": au.downsample_hidden_size,
                   "conv_chunksize": au.conv_chunksize},
@@ -222,18 +227,53 @@ def image_grid(size: int, patch: int, merge: int) -> int:
     return (side // patch) ** 2
 
 
+def video_chunks(grids) -> list[tuple[int, int, int]]:
+    """The videos' (t, h, w) grids cut along t into vision-encoder passes of at most C.VIDEO_ENCODE_PATCHES
+    patches (one grid at least)."""
+    max_patches = C.VIDEO_ENCODE_PATCHES
+    out = []
+    for t, h, w in grids:
+        step = max(1, max_patches // (h * w))
+        out += [(min(step, t - first), h, w) for first in range(0, t, step)]
+    return out
+
+
+def vision_pass_patches(image_grids, video_grids) -> int:
+    """The most patches one vision-encoder pass takes: the images go through together, a video in chunks."""
+    images = sum(t * h * w for t, h, w in image_grids)
+    return max([images] + [t * h * w for t, h, w in video_chunks(video_grids)])
+
+
+def video_grid(req: Request, dims: dict) -> tuple[int, int, int] | None:
+    """The (t, h, w) patch grid orin.video and the processor make of `req.video_seconds` of square video."""
+    from .video import FRAME_FACTOR, TEMPORAL_PATCH, VideoOptions, sampled_frames
+
+    if req.video_seconds <= 0:
+        return None
+    frames = sampled_frames(req.video_seconds, VideoOptions(fps=req.video_fps))
+    side = max(FRAME_FACTOR, int(math.isqrt(req.video_frame_pixels)) // FRAME_FACTOR * FRAME_FACTOR)
+    return frames // TEMPORAL_PATCH, side // dims["vision"]["patch"], side // dims["vision"]["patch"]
+
+
 def request_tokens(req: Request, dims: dict) -> dict:
     v = dims["vision"]
-    patches = image_grid(req.image_size, v["patch"], v["merge"])
-    img = req.images * patches // v["merge"] ** 2
-    frames = int(math.ceil(req.video_seconds * VIDEO_FPS))
-    vid = (math.ceil(frames / 2) * patches // v["merge"] ** 2) if frames else 0
-    aud = audio_tokens(req.audio_seconds, dims["audio"]["n_window"])
-    prompt = aud + img + vid + req.prompt_text_tokens
+    m2 = v["merge"] ** 2
+    side = image_grid(req.image_size, v["patch"], v["merge"])
+    images = [(1, math.isqrt(side), math.isqrt(side))] * req.images
+    videos = [g for g in (video_grid(req, dims),) if g is not None]
+    img = req.images * side // m2
+    vid = sum(t * h * w // m2 for t, h, w in videos)
+    n_window = dims["audio"]["n_window"]
+    aud = audio_tokens(req.audio_seconds, n_window)
+    if videos and req.video_audio:
+        aud += audio_tokens(req.video_seconds, n_window)
+    # a video with its audio is framed by <|audio_start|> and <|audio_end|> inside its vision markers
+    prompt = aud + img + vid + req.prompt_text_tokens + (2 if videos and req.video_audio else 0)
     frames_out = frame_cap(req.text_tokens) if req.speech else 0
     return {"audio": aud, "image": img, "video": vid, "prompt": prompt, "generated": req.text_tokens,
             "total": prompt + req.text_tokens, "talker_frames": frames_out,
-            "vision_patches": req.images * patches + math.ceil(frames / 2) * patches}
+            "vision_patches": vision_pass_patches(images, videos),
+            "vision_frame_patches": max((h * w for _, h, w in images + videos), default=0)}
 
 
 def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
@@ -265,12 +305,18 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
         body = frames * a["d_model"] * (6 + a["ffn"] // a["d_model"]) * b
         out["audio_encoder"] = conv + body
     if tokens["vision_patches"]:
-        P = tokens["vision_patches"]
-        out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * P * b
-    attn = t["heads"] * T * T * b
-    moe = T * t["top_k"] * 3 * t["moe_intermediate"] * b
-    proj = T * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b
-    out["thinker_text"] = attn + moe + proj + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
+        # attention within each frame: a pass's frames' scores, even where SDPA's math path materialises them
+        P, frame = tokens["vision_patches"], tokens.get("vision_frame_patches") or tokens["vision_patches"]
+        out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b
+    # A long prompt goes through in chunks of C.LONG_PREFILL_TOKENS (orin.decode): a chunk's activations, its
+    # attention over the cache so far one KV group at a time; the embeddings, the two hidden states the talker
+    # reads and the visual tokens' deepstack features are whole-prompt.
+    Tc = min(T, C.LONG_PREFILL_TOKENS)
+    attn = (t["heads"] * Tc * Tc if T == Tc else 2 * (t["heads"] // t["kv_heads"]) * T * t["head_dim"]) * b
+    moe = Tc * t["top_k"] * (3 * t["moe_intermediate"] + 2 * t["hidden"]) * b
+    proj = Tc * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b + 2 * T * t["hidden"] * b
+    visual = (tokens["image"] + tokens.get("video", 0)) * t["hidden"] * b * t.get("deepstack", 3)
+    out["thinker_text"] = attn + moe + proj + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:
         Tt = T + 9
         out["talker"] = (k["heads"] * Tt * Tt * b + Tt * k["top_k"] * 3 * k["moe_intermediate"] * b
@@ -452,7 +498,8 @@ class PlanResult:
 
 def request_from(cfg: PlanConfig) -> Request:
     return Request(audio_seconds=cfg.audio_seconds, images=cfg.images, image_size=cfg.image_size,
-                   video_seconds=cfg.video_seconds, text_tokens=cfg.text_tokens, speech=cfg.speech)
+                   video_seconds=cfg.video_seconds, video_fps=cfg.video_fps, video_frame_pixels=cfg.video_frame_pixels,
+                   video_audio=cfg.video_audio, text_tokens=cfg.text_tokens, speech=cfg.speech)
 
 
 def plan_request(sizes: ModelSizes, req: Request, budget: int, dtype_bytes: int = 2,

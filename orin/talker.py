@@ -107,6 +107,8 @@ class Talker:
         embeds = torch.cat([user_embeds, a_embeds], dim=1)
         positions, delta = mrope_positions(torch.cat([user_ids, a_ids]), talker_spec(cfg.raw),
                                            image_grid_thw=self.prompt.image_grids or None,
+                                           video_grid_thw=self.prompt.video_grids or None,
+                                           video_second_per_grid=self.prompt.video_seconds or None,
                                            audio_lengths=self.prompt.audio_lengths or None)
         res = self.decoder.prefill(embeds[0], positions.to(self.device), int(embeds.shape[1]) + req.frame_cap + 2,
                                    rope_delta=int(delta.reshape(-1)[0]), graph=keeps_weights)

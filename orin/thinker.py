@@ -1,4 +1,4 @@
-"""The thinker's side of a request: the encoders' features merged into the prompt's embeddings with M-RoPE
+"""The thinker's side of a request: the encoders' features (audio, images, videos) merged into the prompt's embeddings with M-RoPE
 positions, the prefill and the decode steps (orin.decode), sampling, and detokenization."""
 
 from __future__ import annotations
@@ -38,10 +38,32 @@ class Thinker:
         return self.encoder_graphs.run(("image", tuple(pixels.shape), grids), visual, (pixels,),
                                        lambda p: visual(p, plan), graph, keep=plan)
 
-    def merge(self, inputs: dict, prompt, audio_feats, image_feats):
-        """The thinker's input embeddings with the audio and image features in their placeholders' rows, its
-        M-RoPE positions and rope delta (orin.positions, on the host from the prompt's ids, grids and audio
-        lengths), and the image's deepstack rows and features."""
+    def encode_video(self, inputs: dict, prompt):
+        """orin.vision_encoder.VisionFeatures of every video of the prompt, videos one after another. The
+        encoder attends within each temporal grid only, so a clip goes through it a few grids at a time
+        (orin.components.VIDEO_ENCODE_PATCHES patches at most, whole grids) with the same result (up to the
+        GEMMs' rounding): its activations stay those of a few frames however long the clip. No CUDA graph: a clip's shape rarely comes again."""
+        import torch
+
+        from .plan import video_chunks
+        from .vision_encoder import VisionFeatures
+
+        visual = self.model.thinker.model.visual
+        pixels = inputs["pixel_values_videos"]
+        embeds, deepstack, row = [], [], 0
+        for grid in video_chunks(prompt.video_grids):
+            n = grid[0] * grid[1] * grid[2]
+            out = visual(pixels[row:row + n].to(self.dtype), visual.plan((grid,), pixels.device))
+            row += n
+            embeds.append(out.embeds)
+            deepstack.append(out.deepstack)
+        return VisionFeatures(torch.cat(embeds), [torch.cat(level) for level in zip(*deepstack, strict=True)])
+
+    def merge(self, inputs: dict, prompt, audio_feats, image_feats, video_feats=None):
+        """The thinker's input embeddings with the audio, image and video features in their placeholders' rows,
+        its M-RoPE positions and rope delta (orin.positions, on the host from the prompt's ids, grids, seconds
+        per grid and audio lengths), and the visual tokens' deepstack rows and features (images' and videos'
+        rows together, as transformers joins them)."""
         import torch
 
         from .positions import mrope_positions
@@ -52,14 +74,22 @@ class Thinker:
         host_ids = prompt.input_ids.reshape(-1)
         if audio_feats is not None:
             embeds = _scatter_rows(embeds, host_ids == th.audio_token_id, audio_feats, "audio")
-        visual = None
-        if image_feats is not None:
-            image_rows = host_ids == th.image_token_id
-            embeds = _scatter_rows(embeds, image_rows, image_feats.embeds, "image")
-            rows = torch.nonzero(image_rows).flatten().to(self.device)
-            visual = (rows, list(image_feats.deepstack))
+        rows, deepstack = [], []
+        for feats, token, kind in ((image_feats, th.image_token_id, "image"), (video_feats, th.video_token_id,
+                                                                                 "video")):
+            if feats is None:
+                continue
+            mask = host_ids == token
+            embeds = _scatter_rows(embeds, mask, feats.embeds, kind)
+            rows.append(torch.nonzero(mask).flatten().to(self.device))
+            deepstack.append(feats.deepstack)
+        # the prefill copies each level's features into their rows: images' and videos' may simply follow
+        # each other
+        visual = (torch.cat(rows), [torch.cat(level) for level in zip(*deepstack, strict=True)]) if rows else None
         positions, delta = mrope_positions(prompt.input_ids, self.spec,
                                            image_grid_thw=prompt.image_grids or None,
+                                           video_grid_thw=prompt.video_grids or None,
+                                           video_second_per_grid=prompt.video_seconds or None,
                                            audio_lengths=prompt.audio_lengths or None)
         return embeds, positions.to(self.device), int(delta.reshape(-1)[0]), visual
 

@@ -139,14 +139,20 @@ def _duration(container, stream) -> float | None:
     return None
 
 
-def _targets(duration: float, opts: VideoOptions) -> np.ndarray:
-    """The sampling times: `fps` a second over the clip, within the frame bounds, an even count (temporal patch
-    2), evenly spaced from the start."""
+def sampled_frames(duration: float, opts: VideoOptions) -> int:
+    """How many frames a clip of `duration` seconds gives: `fps` a second, within the frame bounds, an even
+    count (temporal patch 2)."""
     n = round(duration * opts.fps)
     n = min(max(n, opts.min_frames), opts.max_frames)
     n += n % TEMPORAL_PATCH
     if n > opts.max_frames:
         n -= TEMPORAL_PATCH
+    return n
+
+
+def _targets(duration: float, opts: VideoOptions) -> np.ndarray:
+    """The sampling times: sampled_frames of them, evenly spaced from the start."""
+    n = sampled_frames(duration, opts)
     return np.arange(n) * (duration / n)
 
 
@@ -186,7 +192,7 @@ def _decode(container, label: str, opts: VideoOptions) -> Video:
         duration = _scan_duration(container, vstream, label)
     if duration > opts.max_seconds:
         raise InputError(f"{label} is {duration:.1f} s long, over the {opts.max_seconds:g} s limit; trim it or "
-                         "raise --max-video-seconds")
+                         "raise the limit (--max-video-seconds of generate and serve)")
     astream = container.streams.audio[0] if opts.audio and container.streams.audio else None
     start = float(vstream.start_time * vstream.time_base) if vstream.start_time is not None else 0.0
     targets = _targets(duration, opts)

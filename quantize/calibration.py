@@ -4,15 +4,23 @@ processor inputs. All media is decoded up front, so a bad entry fails before the
 Format (``--calib PATH``):
 
 - a ``.jsonl`` file: one conversation per line, ``{"messages": [{"role": "user", "content": [{"type": "text",
-  "text": "..."}, {"type": "image", "path": "img.png"}, {"type": "audio", "path": "a.wav"}]},
-  {"role": "assistant", "content": "..."}]}``; ``content`` may also be a plain string; roles are system, user
-  and assistant; media paths are relative to the JSONL file; images and audio only in user turns;
+  "text": "..."}, {"type": "image", "path": "img.png"}, {"type": "audio", "path": "a.wav"}, {"type": "video",
+  "path": "clip.mp4"}]}, {"role": "assistant", "content": "..."}]}``; ``content`` may also be a plain string;
+  roles are system, user and assistant; media paths are relative to the JSONL file; images, audio and video only
+  in user turns. A video part may also set ``"fps"`` (frames sampled per second, default 2, as served) and
+  ``"audio"`` (false: leave its soundtrack out; default true: the model hears it, audio in video);
 - a directory: every ``*.jsonl`` in it (sorted by name), then every loose image (``.png .jpg .jpeg .webp``),
-  audio (``.wav .flac .ogg .mp3``) and text (``.txt``) file, each becoming a one-turn conversation (a fixed
-  instruction with the image or audio, or the text itself). Other files are ignored.
+  audio (``.wav .flac .ogg .mp3``), video (``.mp4 .mkv .webm .mov``) and text (``.txt``) file, each becoming a
+  one-turn conversation (a fixed instruction with the image, audio or video, or the text itself). Other files are
+  ignored.
 
-Images are downscaled so their longer side is at most MAX_IMAGE_SIDE pixels and audio is cut to
-MAX_AUDIO_SECONDS: calibration needs representative activations, not full resolution.
+Images are downscaled so their longer side is at most MAX_IMAGE_SIDE pixels, audio is cut to MAX_AUDIO_SECONDS
+and videos to their first MAX_VIDEO_SECONDS (frames sized as the server sizes them, orin.video): calibration
+needs representative activations, not full length. A video calibrates the vision encoder on temporal grids of
+two frames each and, with its soundtrack, the audio encoder and the thinker on audio tokens interleaved with the
+video's (transformers' ``use_audio_in_video=True``); the videos of one conversation either all keep their
+soundtracks or none does. Video conversations are encoded by orin.inputs' processor (transformers' needs
+torchvision for video), the others by transformers' (orin.processor).
 
 One bad conversation never ends a run: one the processor cannot encode (a 600x2 banner image, a few
 milliseconds of audio), or one the BF16 model fails on or gives an empty reply for in a pass, is skipped with a
@@ -24,6 +32,8 @@ calibration one with the same media when one can be spared.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +47,21 @@ from .skips import MIN_CALIBRATION, Skips, exception_text, too_few
 
 IMAGE_EXT = (".png", ".jpg", ".jpeg", ".webp")
 AUDIO_EXT = (".wav", ".flac", ".ogg", ".mp3")
+VIDEO_EXT = (".mp4", ".mkv", ".webm", ".mov")
 TEXT_EXT = (".txt",)
 MAX_IMAGE_SIDE = 448
 MAX_AUDIO_SECONDS = 30.0
+MAX_VIDEO_SECONDS = 30.0
+VIDEO_KEYS = ("type", "path", "fps", "audio")
+MODALITIES = ("text", "image", "audio", "video")
 ROLES = ("system", "user", "assistant")
 
 IMAGE_PROMPTS = ("Describe this image in detail.", "What objects and colours do you see here?",
                  "Write a short caption for this picture.")
 AUDIO_PROMPTS = ("What do you hear in this recording?", "Transcribe this audio, then summarise it.",
                  "Describe the sound: pitch, rhythm, noise.")
+VIDEO_PROMPTS = ("Describe what happens in this video.", "What do you see and hear in this clip?",
+                 "Summarise the clip: the motion, the colours and the sound.")
 
 
 @dataclass
@@ -56,10 +72,20 @@ class Conversation:
     messages: list[dict]
     images: list = field(default_factory=list)  # PIL images
     audios: list = field(default_factory=list)  # float32 mono 16 kHz arrays
+    videos: list = field(default_factory=list)  # orin.video.Video clips (their soundtracks, if any, heard too)
 
     @property
     def modalities(self) -> frozenset[str]:
-        return frozenset(["text"] + (["image"] if self.images else []) + (["audio"] if self.audios else []))
+        """What the conversation feeds: "video" calibrates the vision encoder as "image" does, and a video's
+        soundtrack counts as "audio" (it feeds the audio encoder)."""
+        heard = bool(self.audios) or any(v.audio is not None for v in self.videos)
+        return frozenset(["text"] + (["image"] if self.images else []) + (["audio"] if heard else [])
+                         + (["video"] if self.videos else []))
+
+    @property
+    def audio_in_video(self) -> bool:
+        """Whether its videos are heard with their soundtracks (transformers' `use_audio_in_video`)."""
+        return any(v.audio is not None for v in self.videos)
 
 
 @dataclass(eq=False)  # compared by identity: the inputs are tensors
@@ -96,10 +122,11 @@ def load_calibration(path: str | Path) -> list[Conversation]:
         for p in files:
             if p.suffix.lower() == ".jsonl":
                 convs.extend(_load_jsonl(p))
-        for n, p in enumerate(f for f in files if f.suffix.lower() in IMAGE_EXT + AUDIO_EXT + TEXT_EXT):
+        for n, p in enumerate(f for f in files if f.suffix.lower() in IMAGE_EXT + AUDIO_EXT + VIDEO_EXT + TEXT_EXT):
             convs.append(_loose_file(p, n))
     if not convs:
-        raise InputError(f"no calibration conversations in {root}: add *.jsonl files, images, audio or .txt files")
+        raise InputError(f"no calibration conversations in {root}: add *.jsonl files, images, audio, videos or "
+                         ".txt files")
     return convs
 
 
@@ -142,23 +169,28 @@ def _conversation(entry, where: str, base: Path) -> Conversation:
                 if not isinstance(part.get("text"), str):
                     raise InputError(f'{where}: message {i} part {j}: a text part needs "text": "..."')
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image", "audio"):
+            elif kind in ("image", "audio", "video"):
                 if msg["role"] != "user":
                     raise InputError(f"{where}: message {i} part {j}: {kind} parts are only allowed in user turns")
                 rel = part.get("path")
                 if not isinstance(rel, str) or not rel:
-                    raise InputError(f'{where}: message {i} part {j}: an {kind} part needs "path": "file"')
+                    article = "a" if kind == "video" else "an"
+                    raise InputError(f'{where}: message {i} part {j}: {article} {kind} part needs "path": "file"')
                 media = base / rel
                 if kind == "image":
                     conv.images.append(_image(media, where))
-                else:
+                elif kind == "audio":
                     conv.audios.append(_audio(media, where))
+                else:
+                    conv.videos.append(_video(media, f"{where}: message {i} part {j}", part))
                 parts.append({"type": kind})
             else:
-                raise InputError(f"{where}: message {i} part {j}: unknown part type {kind!r}; use text, image or audio")
+                raise InputError(f"{where}: message {i} part {j}: unknown part type {kind!r}; use text, image, audio "
+                                 "or video")
         conv.messages.append({"role": msg["role"], "content": parts})
     if not any(m["role"] == "user" for m in conv.messages):
         raise InputError(f"{where}: the conversation has no user message")
+    _check_soundtracks(conv, where)
     return conv
 
 
@@ -175,6 +207,9 @@ def _loose_file(path: Path, n: int) -> Conversation:
     if suffix in IMAGE_EXT:
         return Conversation(str(path), [_user([{"type": "image"}], IMAGE_PROMPTS[n % len(IMAGE_PROMPTS)])],
                             images=[_image(path, str(path))])
+    if suffix in VIDEO_EXT:
+        return Conversation(str(path), [_user([{"type": "video"}], VIDEO_PROMPTS[n % len(VIDEO_PROMPTS)])],
+                            videos=[_video(path, str(path), {})])
     return Conversation(str(path), [_user([{"type": "audio"}], AUDIO_PROMPTS[n % len(AUDIO_PROMPTS)])],
                         audios=[_audio(path, str(path))])
 
@@ -205,6 +240,49 @@ def _audio(path: Path, where: str) -> np.ndarray:
             raise
         raise InputError(f"{where}: {exc}") from exc
     return audio[: int(MAX_AUDIO_SECONDS * INPUT_SAMPLE_RATE)]
+
+
+def _video(path: Path, where: str, part: dict):
+    """The clip at `path` as the server samples it (orin.video.load_video), with the part's "fps" and "audio",
+    cut to MAX_VIDEO_SECONDS. `where` names the part (file:line, message and part) or the loose file."""
+    from orin.video import VideoOptions, load_video
+
+    unknown = sorted(k for k in part if k not in VIDEO_KEYS)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in a video part; a video part "
+                         'takes "path", "fps" (frames sampled per second, e.g. 2) and "audio" (true or false)')
+    fps = part.get("fps", VideoOptions.fps)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)):
+        raise InputError(f'{where}: "fps" must be a number of frames sampled per second (e.g. 2), not {fps!r}')
+    audio = part.get("audio", True)
+    if not isinstance(audio, bool):
+        raise InputError(f'{where}: "audio" must be true (hear the soundtrack) or false, not {audio!r}')
+    prefix = "" if where == str(path) else f"{where}: "
+    try:
+        video = load_video(path, VideoOptions(fps=fps, audio=audio))
+    except InputError as exc:
+        raise InputError(f"{prefix}{exc}") from exc
+    return _trim(video, MAX_VIDEO_SECONDS)
+
+
+def _trim(video, seconds: float):
+    """The clip's first `seconds` (an even count of frames, at least two) and its soundtrack's."""
+    if video.duration <= seconds:
+        return video
+    keep = sum(t < seconds for t in video.timestamps)
+    keep = max(2, keep - keep % 2)
+    audio = None if video.audio is None else video.audio[: int(seconds * INPUT_SAMPLE_RATE)]
+    return dataclasses.replace(video, frames=video.frames[:keep], timestamps=video.timestamps[:keep],
+                               duration=seconds, audio=audio)
+
+
+def _check_soundtracks(conv: Conversation, where: str) -> None:
+    """transformers lays out audio in video for all of a prompt's videos or for none."""
+    heard = [v.audio is not None for v in conv.videos]
+    if any(heard) and not all(heard):
+        raise InputError(f"{where}: some of its videos have a soundtrack and some have none (or \"audio\": false); "
+                         "the model hears the soundtracks of all of a conversation's videos or of none: set "
+                         '"audio": false on every video part of this line, or use clips that all have sound')
 
 
 def _downscale(image):
@@ -243,11 +321,16 @@ _TEXT = (
     ("What does the HTTP status code 404 mean?", "The server could not find the requested resource."),
 )
 _IMAGE_KINDS = ("shapes", "gradient", "checker")
+# The built-in clips: (seconds, (height, width)) in turn; 2 fps gives temporal grids of 2, 3 and 4.
+_CLIPS = ((3.0, (96, 128)), (2.0, (64, 96)), (4.0, (128, 64)))
+_CLIP_SOURCE_FPS = 4
 
 
 def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
-    """A small deterministic multimodal set: text-only chats, images, tones, noise and speech-like audio, and
-    image-plus-audio turns, cycling so every modality appears early. Real data calibrates better."""
+    """A small deterministic multimodal set, in cycles of four: a text-only chat, an image, a tone, noise or
+    speech-like audio, and an image-plus-audio turn, which every other cycle (from the second on: builtin:7, 15,
+    ...) is a short synthetic video with its soundtrack instead, so every modality appears early. Real data
+    calibrates better."""
     from orin.media import synth_image, synth_speechlike, synth_tone
 
     rng = np.random.default_rng(seed)
@@ -259,6 +342,11 @@ def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
             question, answer = _TEXT[(i // 4) % len(_TEXT)]
             convs.append(Conversation(name, [{"role": "user", "content": question},
                                              {"role": "assistant", "content": answer}]))
+            continue
+        if kind == 3 and (i // 4) % 2 == 1:
+            seconds, size = _CLIPS[(i // 8) % len(_CLIPS)]
+            convs.append(Conversation(name, [_user([{"type": "video"}], VIDEO_PROMPTS[(i // 8) % len(VIDEO_PROMPTS)])],
+                                      videos=[_builtin_clip(seconds, size, seed * 1000 + i)]))
             continue
         conv = Conversation(name, [])
         parts: list[dict] = []
@@ -280,6 +368,16 @@ def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
         conv.messages.append(_user(parts, prompts[i % len(prompts)]))
         convs.append(conv)
     return convs
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_clip(seconds: float, size: tuple[int, int], seed: int):
+    """A synthetic clip with its soundtrack (orin.video.synth_clip), decoded as the server decodes one: frames at
+    2 fps, sides multiples of 32. Cached: the same set is often built more than once in a process."""
+    from orin.video import VideoOptions, load_video, synth_clip
+
+    data = synth_clip(seconds, _CLIP_SOURCE_FPS, size, audio=True, seed=seed)
+    return load_video(data, VideoOptions(fps=2.0), name=f"the built-in clip {seed}")
 
 
 # ---------------------------------------------------------------------- selection and model inputs
@@ -317,15 +415,19 @@ def holdout_count(samples: int) -> int:
     return max(1, min(8, samples // 8))
 
 
-def to_samples(processor, convs: list[Conversation], device, skips: Skips) -> list[Sample]:
+def to_samples(processor, convs: list[Conversation], device, skips: Skips, video_processor=None) -> list[Sample]:
     """The conversations the processor can encode, as model inputs (none held out yet: see hold_out); the others
-    are skipped."""
+    are skipped. `processor` is transformers' (orin.processor), which has no video processor; conversations with
+    videos go through `video_processor` (orin.inputs.Processor: the same tensors, videos included)."""
+    if video_processor is None and any(c.videos for c in convs):
+        raise ValueError("to_samples: conversations with videos need a video_processor (orin.inputs.Processor)")
     samples = []
     for i, conv in enumerate(convs):
         last_user = max(j for j, m in enumerate(conv.messages) if m["role"] == "user")
+        proc = video_processor if conv.videos else processor
         try:
-            full = _encode(processor, conv.messages, conv, add_generation_prompt=conv.messages[-1]["role"] == "user")
-            prompt = _encode(processor, conv.messages[: last_user + 1], conv, add_generation_prompt=True)
+            full = _encode(proc, conv.messages, conv, add_generation_prompt=conv.messages[-1]["role"] == "user")
+            prompt = _encode(proc, conv.messages[: last_user + 1], conv, add_generation_prompt=True)
         except InputError as exc:
             skips.add(conv.name, "encode", exc)
             continue
@@ -336,11 +438,17 @@ def to_samples(processor, convs: list[Conversation], device, skips: Skips) -> li
 
 def _encode(processor, messages: list[dict], conv: Conversation, add_generation_prompt: bool) -> dict:
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    media = {"videos": conv.videos} if conv.videos else {}  # transformers' processor here has no video processor
     try:
-        return dict(processor(text=[text], images=conv.images or None, audio=conv.audios or None,
-                              return_tensors="pt", padding=True))
-    except (ValueError, RuntimeError, IndexError) as exc:
+        inputs = dict(processor(text=[text], images=conv.images or None, audio=conv.audios or None,
+                                return_tensors="pt", padding=True, **media))
+    except (InputError, ValueError, RuntimeError, IndexError) as exc:
         raise InputError(f"the processor cannot encode it ({exception_text(exc)})") from exc
+    if conv.audio_in_video:
+        # the soundtracks' tokens are interleaved with the videos': the model's rope index must know (the
+        # thinker's forward and generate() both take it)
+        inputs["use_audio_in_video"] = True
+    return inputs
 
 
 def _to(inputs: dict, device) -> dict:

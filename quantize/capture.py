@@ -154,8 +154,9 @@ def run_thinker(model, inputs: dict) -> ThinkerOutputs:
     thinker = model.thinker
 
     def keep(name, attr):
-        def hook(_mod, _args, output):
-            seen[name] = getattr(output, attr).detach().float().cpu()
+        def hook(_mod, _args, output):  # the vision encoder runs once for the images and once for the videos
+            now = getattr(output, attr).detach().float().cpu()
+            seen[name] = torch.cat([seen[name], now]) if name in seen else now
         return hook
 
     handles = [thinker.model.visual.register_forward_hook(keep("vision", "pooler_output")),
@@ -175,7 +176,7 @@ _THINKER_FIRST_LAYER = {
 }
 
 
-_THINKER_NEEDS = {"thinker_text": "text", "vision_encoder": "image", "audio_encoder": "audio"}
+_THINKER_NEEDS = {"thinker_text": "text", "vision_encoder": ("image", "video"), "audio_encoder": "audio"}
 
 
 @torch.no_grad()

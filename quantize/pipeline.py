@@ -390,9 +390,9 @@ def _check_modalities(cfg: QuantConfig, convs: list, comps: set[str], skipped: i
     """`convs`: conversations or the samples encoded from them, once `skipped` ones were skipped."""
     have = set().union(*(c.modalities for c in convs))
     left = f" left once {skipped} that cannot be encoded were skipped" if skipped else ""
-    if "vision_encoder" in comps and cfg.quantize_vision and "image" not in have:
-        raise InputError(f"{_source(cfg)}: no conversation{left} has an image, so the vision encoder cannot be "
-                         "calibrated; add image entries (or leave its segment out of --segments)")
+    if "vision_encoder" in comps and cfg.quantize_vision and not have & {"image", "video"}:
+        raise InputError(f"{_source(cfg)}: no conversation{left} has an image or a video, so the vision encoder "
+                         "cannot be calibrated; add image or video entries (or leave its segment out of --segments)")
     if "audio_encoder" in comps and cfg.quantize_audio_encoder and "audio" not in have:
         raise InputError(f"{_source(cfg)}: no conversation{left} has audio, so the audio encoder cannot be "
                          "calibrated; add audio entries or drop --quantize-audio-encoder")
@@ -404,21 +404,31 @@ def _source(cfg: QuantConfig) -> str:
 
 def _encode(cfg: QuantConfig, plan: dict, convs: list, skips: Skips) -> list:
     """The conversations as model inputs on the device, the held-out ones marked; those the processor cannot
-    encode are skipped."""
+    encode are skipped. Conversations with videos go through orin.inputs' processor (transformers' video processor
+    needs torchvision), the others through transformers'."""
     from orin.processor import build_processor
 
     from .calibration import hold_out, to_samples
 
-    samples = to_samples(build_processor(plan["model_dir"]), convs, plan["device"], skips)
+    video_processor = None
+    if any(c.videos for c in convs):
+        from orin.inputs.processor import Processor
+
+        video_processor = Processor.from_dir(plan["model_dir"])
+    samples = to_samples(build_processor(plan["model_dir"]), convs, plan["device"], skips, video_processor)
     hold_out(_source(cfg), convs, samples, skips)
     return samples
 
 
 def _calib_info(cfg: QuantConfig, samples: list) -> dict:
-    """The planned split; report.json adds what each pass used and what was skipped."""
+    """The planned split, with how many calibration (not held-out) conversations feed each modality; report.json
+    adds what each pass used and what was skipped."""
+    from .calibration import MODALITIES
+
     heldout = [s.name for s in samples if s.heldout]
+    modalities = {m: sum(m in s.modalities for s in samples if not s.heldout) for m in MODALITIES}
     return {"source": cfg.calib or "built-in synthetic set", "conversations": len(samples) - len(heldout),
-            "heldout": len(heldout), "heldout_names": heldout}
+            "heldout": len(heldout), "heldout_names": heldout, "modalities": modalities}
 
 
 # ---------------------------------------------------------------------- model

@@ -111,12 +111,13 @@ class PassRunner:
         conversation that raises one of SKIPPABLE stores nothing. Held-out samples run first, so a skipped one
         can be replaced by a calibration sample not yet run. At most `calibration_limit` calibration samples
         are used (more are drawn when some are skipped). `needs` maps a stack's title to the modality its
-        calibration conversations must have ("text": all)."""
-        needs = needs or {}
+        calibration conversations must have ("text": all), or to a tuple of modalities, any of which will do
+        (the vision encoder's: an image or a video)."""
+        needs = {title: (m,) if isinstance(m, str) else tuple(m) for title, m in (needs or {}).items()}
         queue = [s for s in samples if s.heldout]
         candidates = [s for s in samples if not s.heldout]
         want = len(candidates) if calibration_limit is None else min(len(candidates), calibration_limit)
-        planned = {title: sum(m in s.modalities for s in candidates[:want]) for title, m in needs.items()}
+        planned = {title: sum(_uses(s, m) for s in candidates[:want]) for title, m in needs.items()}
         result = PassResult(stage)
 
         def attempt(sample: Sample, heldout: bool) -> bool:
@@ -154,14 +155,22 @@ class PassRunner:
                 if not attempt(sample, False) and len(candidates) - i - 1 > want - len(result.calibration):
                     bar.grow(1)  # another candidate is drawn in its place
                 bar.update(1)
-        for title, modality in needs.items():
-            usable = sum(modality in s.modalities for s in result.calibration)
+        for title, modalities in needs.items():
+            usable = sum(_uses(s, modalities) for s in result.calibration)
             need = min(MIN_CALIBRATION, planned[title])
             if usable < need:
-                media = "" if modality == "text" else f" with {'an image' if modality == 'image' else modality}"
+                media = "" if modalities == ("text",) else \
+                    f" with {' or '.join(_MEDIA_WORDS.get(m, m) for m in modalities)}"
                 raise too_few(self.source, f"{media} for the {title} in the {stage} pass".lstrip(), usable, need,
                                self.skips)
         return result
+
+
+_MEDIA_WORDS = {"image": "an image", "video": "a video"}
+
+
+def _uses(sample: Sample, modalities: tuple[str, ...]) -> bool:
+    return any(m in sample.modalities for m in modalities)
 
 
 def _stand_in(failed: Sample, candidates: list[Sample], last_resort: bool) -> Sample | None:

@@ -4,14 +4,20 @@
 # transformers BF16), in one command that ends inside the 10-minute window.
 #
 # The GPU image has torch 2.11 and transformers 5.17; orin-omni pins transformers 5.23 (module names differ), so
-# its wheel travels in .whl/ (with regex, which 5.23 needs newer than the image may have):
+# its wheel travels in .whl/ (with regex, which 5.23 needs newer than the image may have, and PyAV, which the image
+# lacks: the video cases time orin.video.load_video with it):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl transformers==5.23.0 regex==2026.11.15
-# and the device call carries `.whl`. Results go to $OUT (bench.json, bench.log, gpu.txt).
+#     -d .whl transformers==5.23.0 regex==2026.11.15 av==18.1.0
+# and the device call carries `.whl` (about 50 MB). Results go to $OUT (bench.json, bench.log, gpu.txt).
 # BENCH_COMPILE: the all-resident engines' torch.compile settings, in order (runs orin_graph = off, orin_compiled =
 # on; the last one also runs time-sliced).
+# Arguments are passed on to `orin-omni bench` after the defaults (a repeated option replaces a default; a repeatable
+# one adds to it). The video cases (issue 16) alone, on the first compile setting's engine and HF BF16:
+#   bash scripts/bench_gpu.sh --video-seconds 120 --video-fps 2 --video-fps 1 --video-only
+# (about 4.5 minutes on an H200), or beside the standard request (add --skip-sliced to stay inside the window):
+#   bash scripts/bench_gpu.sh --video-seconds 120 --video-fps 2 --video-fps 1 --skip-sliced
 set -uo pipefail
 OUT=${OUT:-build/bench-out}
 WORK=${BENCH_WORKDIR:-/tmp/orin-bench}

@@ -181,3 +181,99 @@ def test_ttft_target_compares_medians_of_all_samples():
     assert verdict["ttft_vs_hf"]["met"] and verdict["ttft_vs_hf"]["value"] == pytest.approx(0.115 / 0.1225)
     slow = {**ours, **ttft_stats(0.09, [0.14, 0.15, 0.13])}
     assert not {t["target"]: t for t in evaluate_targets({"orin_graph": slow, "hf_bf16": hf})}["ttft_vs_hf"]["met"]
+
+
+def test_bench_video_cases_on_both_sides(tmp_path):
+    """The video cases (issue 16) at tiny dimensions on CPU, alone (--video-only): per sampling rate, one image +
+    a clip with its soundtrack through orin-omni all-resident and the HF reference, the same prompt on both (its
+    video tokens T/2 x (N/32)^2), the phases from the engine's timeline, the decode timing, the Orin projection,
+    the JSON's "video" key and the table."""
+    from click.testing import CliRunner
+
+    from orin.cli import cli
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, [
+        "bench", "--config", "tiny", "--synthetic", "--workdir", str(tmp_path / "w"), "--device", "cpu",
+        "--text-tokens", "3", "--audio-frames", "2", "--compile", "off", "--power-backend", "none",
+        "--video-seconds", "4", "--video-size", "64", "--video-fps", "2", "--video-fps", "1", "--video-only",
+        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["errors"] == {}
+    assert data["runs"] == {} and "orin_projection" not in data  # no standard request ran
+    video = data["video"]
+    cases = video["cases"]
+    assert set(cases) == {"video_2fps", "video_1fps"}
+    for name, frames in (("video_2fps", 8), ("video_1fps", 4)):
+        case = cases[name]
+        assert case["frames"] == frames and case["frame_size"] == [64, 64] and case["soundtrack_s"] == 4.0
+        expected = frames // 2 * (64 // 32) ** 2
+        assert case["expected_video_tokens"] == expected
+        ours, hf = case["orin"], case["hf_bf16"]
+        for run in (ours, hf):
+            assert run["video_tokens"] == expected and run["audio_tokens"] > 0 and run["image_tokens"] > 0
+            assert run["prompt_tokens"] > expected + run["audio_tokens"] + run["image_tokens"]
+            assert run["completion_tokens"] == 3 and run["talker_frames"] == 2
+            assert 0 < run["encode_s"] < run["ttft_s"] <= run["first_audio_s"] <= run["total_s"]
+            assert run["video_encode_s"] > 0 and run["prefill_s"] > 0
+        assert {k: ours[k] for k in ("prompt_tokens", "audio_tokens", "image_tokens", "video_grids")} == \
+               {k: hf[k] for k in ("prompt_tokens", "audio_tokens", "image_tokens", "video_grids")}
+        assert ours["video_grids"] == [[frames // 2, 4, 4]]
+        assert ours["peak_bytes"] > 0 and ours["talker_prefill_s"] > 0
+        proj = video["orin_projection"][name]
+        assert proj["ttft_s"] > proj["stages"]["encode"]["s"] > 0 and proj["first_audio_s"] > proj["ttft_s"]
+        assert proj["video_decode_s"] > 0
+    assert cases["video_2fps"]["orin"]["prompt_tokens"] > cases["video_1fps"]["orin"]["prompt_tokens"]
+    decode = video["decode"]
+    assert decode["frames"] == 8 and decode["frame_size"] == [64, 64] and decode["decode_s_per_video_s"] > 0
+    assert decode["audio_samples"] > 0
+    table = result.stdout
+    assert "video_2fps (2 fps, 8 frames)" in table and "AGX Orin (projected)" in table
+    assert "HF fp32" in table and "video decode (PyAV" in table and "target" not in table
+
+
+def test_video_options_are_checked():
+    from orin.devtools.bench import BenchConfig, run_bench
+    from orin.errors import UsageError
+
+    with pytest.raises(UsageError, match="multiple of 32"):
+        run_bench(BenchConfig(config="tiny", synthetic=True, video_seconds=2, video_size=100))
+    with pytest.raises(UsageError, match="needs --video-seconds"):
+        run_bench(BenchConfig(config="tiny", synthetic=True, video_only=True))
+    with pytest.raises(UsageError, match="each sampling rate once"):
+        run_bench(BenchConfig(config="tiny", synthetic=True, video_seconds=2, video_fps=(2.0, 2.0)))
+
+
+def test_video_case_at_real_dimensions(real_config, tmp_path):
+    """The product's case (120 s at 2 fps, 448x448, one 224x224 image): 240 frames, 23,520 video tokens; the Orin
+    projection's FLOPs (the vision encoder over 94,080 patches, the thinker over the whole prompt) and its two
+    estimates of each compute-bound stage."""
+    import shutil
+
+    from orin.devtools.bench_config import BenchConfig, make_video_cases
+    from orin.devtools.bench_projection import gpu_flops_ratio, video_flops, video_projection
+    from orin.model_config import load_omni_config
+
+    (case,) = make_video_cases(BenchConfig(video_seconds=120, video_fps=(2.0,)))
+    info = case.describe()
+    assert info["frames"] == 240 and info["sampled_fps"] == 2.0 and info["expected_video_tokens"] == 23520
+    assert info["images"] == 1 and info["soundtrack_s"] == 120.0
+    counts = {"prompt_tokens": 25200, "audio_tokens": 1560, "image_tokens": 49, "video_grids": [[120, 28, 28]]}
+    flops = video_flops(load_omni_config(real_config), counts)
+    assert flops["vision_patches"] == 120 * 28 * 28 + 49 * 4
+    assert 5e13 < flops["vision"] < 3e14 and 1e14 < flops["thinker_prefill"] < 1e15
+    assert flops["talker_prefill"] < flops["thinker_prefill"]
+    ratio, _ = gpu_flops_ratio("NVIDIA H200")
+    assert ratio == pytest.approx(989 / 42.5)
+    assert gpu_flops_ratio(None)[0] == pytest.approx((132 * 1.98) / (16 * 1.3))
+    shutil.copy(real_config, tmp_path / "config.json")
+    measured = {**counts, "prepare_s": 0.1, "encode_s": 0.5, "prefill_s": 1.5, "talker_prefill_s": 0.2,
+                "peak_bytes": 1}
+    proj = video_projection(str(tmp_path), counts, 256, 100, measured, "NVIDIA H200", 0.01, 120)
+    st = proj["stages"]
+    assert st["thinker_prefill"]["s"] == max(st["thinker_prefill"]["flops_s"], 1.5 * ratio)
+    assert proj["ttft_s"] == pytest.approx(0.1 * 2.5 + st["encode"]["s"] + st["thinker_prefill"]["s"])
+    assert proj["video_decode_s"] == pytest.approx(0.01 * 2.5 * 120)
+    # decode at a 25k-token context reads about as many KV bytes per token as weights: slower than the standard's
+    assert proj["thinker_tokens_per_s"] < 40 and proj["kv_bytes"] > 2e9

@@ -337,7 +337,11 @@ def test_placeholders_must_match_media(mine):
     with pytest.raises(InputError, match="0 audio placeholder"):
         mine(text=[text], images=[picture(32, 32)], audio=[speech(1.0)])
     with pytest.raises(InputError, match="unsupported content part"):
+        mine.prepare([{"role": "user", "content": [{"type": "film", "film": b""}]}])
+    with pytest.raises(InputError, match="a video part needs a decoded clip"):
         mine.prepare([{"role": "user", "content": [{"type": "video", "video": b""}]}])
+    with pytest.raises(InputError, match="0 video placeholder"):
+        mine(text=[text], images=[picture(32, 32)], videos=[None])
     with pytest.raises(InputError, match="aspect ratio"):
         mine.prepare([{"role": "user", "content": [{"type": "image", "image": picture(1, 300)}]}])
 

@@ -72,9 +72,9 @@ def test_heldout_split_covers_modalities_and_keeps_them_for_calibration():
     convs = builtin_conversations(24)
     held = split_heldout(convs, holdout_count(24))
     assert len(held) == 3
-    assert set().union(*(convs[i].modalities for i in held)) == {"text", "image", "audio"}
+    assert set().union(*(convs[i].modalities for i in held)) == {"text", "image", "audio", "video"}
     calib = [c for i, c in enumerate(convs) if i not in held]
-    assert set().union(*(c.modalities for c in calib)) == {"text", "image", "audio"}
+    assert set().union(*(c.modalities for c in calib)) == {"text", "image", "audio", "video"}
     # The only image conversation is never held out.
     few = builtin_conversations(2)  # text, image
     assert split_heldout(few, 1) == {0}

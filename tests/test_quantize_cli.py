@@ -115,8 +115,10 @@ def test_bad_calibration_media_names_the_file_and_leaves_finished_segments(half_
     ("{not json", "not valid JSON"),
     (json.dumps({"text": "no messages"}), 'expected {"messages": [...]}'),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "needs a role"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "hologram", "path": "v.mp4"}]}]}),
+     "unknown part type 'hologram'"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "video", "path": "v.mp4"}]}]}),
-     "unknown part type 'video'"),
+     "video file not found"),
     (json.dumps({"messages": [{"role": "assistant", "content": "no question"}]}), "no user message"),
 ])
 def test_bad_calibration_entries(half_done, tiny_model_dir, tmp_path, line, match):

@@ -14,18 +14,24 @@ from orin.checks.smoke import (
     FAIL,
     PASS,
     SKIP,
+    VIDEO_CASE,
     Answer,
     Check,
+    HttpTarget,
+    Inputs,
     SmokeConfig,
+    SmokeRequestError,
     SmokeResult,
     check_peak,
     check_power,
+    check_prompt_tokens,
     check_text,
     check_ttft,
     check_wav,
     expected_samples,
     render_table,
     run_smoke,
+    video_prompt_tokens,
     vocoder_chunks,
 )
 from orin.cli import cli
@@ -82,6 +88,38 @@ def test_text_ttft_and_peak_checks():
     assert check_peak("t", {"peak_bytes": 1000}, 2000).status == PASS
     assert check_peak("t", {"peak_bytes": 3000}, 2000).status == FAIL
     assert check_peak("t", {"peak_bytes": None}, 2000).status == FAIL
+
+
+def test_video_prompt_tokens_count_frames_and_soundtrack():
+    # 4 s at 2 fps: 8 frames, 4 temporal grids of (128/32)·(160/32) = 20 tokens; 400 feature frames: 4 chunks of 13
+    assert video_prompt_tokens(4.0, (128, 160)) == 4 * 20 + 52
+    assert video_prompt_tokens(4.0, (128, 160), audio=False) == 80
+    assert video_prompt_tokens(1.0, (64, 64)) == 2 * 4 + 13  # at least 4 frames, whatever the length
+    assert check_prompt_tokens("v", {"prompt_tokens": 140}, 132).status == PASS
+    short = check_prompt_tokens("v", {"prompt_tokens": 90}, 132)
+    assert short.status == FAIL and short.name == "v: prompt tokens" and "at least 132" in short.detail
+    assert check_prompt_tokens("v", {}, 132).status == FAIL  # missing is a failure, never a pass
+
+
+def _refusing(code: str):
+    """HttpTarget._request as a server answers a part type it does not know."""
+    def request(self, method, path, body=None):
+        error = {"message": "content type 'video_url' is not supported", "type": "invalid_request_error",
+                 "param": "messages[0].content[0].type", "code": code}
+        return 400, json.dumps({"error": error}).encode()
+    return request
+
+
+def test_a_server_without_video_support_fails_the_video_check(monkeypatch):
+    inputs = Inputs.make(1.0, video=True)
+    monkeypatch.setattr(HttpTarget, "_request", _refusing("unsupported_content_type"))
+    with pytest.raises(SmokeRequestError, match="the server predates video support.*--no-video"):
+        HttpTarget("http://x", None, 5).ask(VIDEO_CASE, inputs, 4)
+    # another 400 is reported as it came
+    monkeypatch.setattr(HttpTarget, "_request", _refusing("invalid_value"))
+    with pytest.raises(SmokeRequestError, match="^HTTP 400: .content type") as err:
+        HttpTarget("http://x", None, 5).ask(VIDEO_CASE, inputs, 4)
+    assert "predates" not in str(err.value)
 
 
 def test_power_is_skipped_without_a_backend_and_checked_with_one():
@@ -141,11 +179,12 @@ def _statuses(result: SmokeResult) -> dict[str, str]:
     return {c.name: c.status for c in result.checks}
 
 
+VIDEO = {"video: answer", "video: ttft", "video: peak memory", "video: prompt tokens"}
 EXPECTED = {
     "text: answer", "text: ttft", "text: peak memory",
     "image+audio+text: answer", "image+audio+text: ttft", "image+audio+text: peak memory",
     "speech: answer", "speech: ttft", "speech: peak memory", "speech: wav", "speech: first audio", "power",
-}
+} | VIDEO
 
 
 def test_smoke_over_http_passes_on_the_tiny_model(server):
@@ -162,6 +201,59 @@ def test_smoke_in_process_passes_on_the_tiny_model(engine, quantized_dir):
                        engine=engine)
     statuses = _statuses(result)
     assert set(statuses) == EXPECTED and result.ok, render_table(result)
+    assert all(statuses[name] == PASS for name in VIDEO), render_table(result)
+    tokens = next(c for c in result.checks if c.name == "video: prompt tokens")
+    assert f"at least {video_prompt_tokens()} expected" in tokens.detail
+
+
+def test_smoke_no_video_leaves_the_video_check_out(engine, quantized_dir):
+    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S,
+                                   video=False), engine=engine)
+    assert set(_statuses(result)) == EXPECTED - VIDEO and result.ok, render_table(result)
+
+
+class _BlankVideoAnswers:
+    """The shared engine, but a request with a video part gets an empty answer."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def memory(self):
+        return self.engine.memory()
+
+    def generate(self, req):
+        text, audio, report = self.engine.generate(req)
+        has_video = any(p.get("type") == "video" for m in req.messages for p in m["content"])
+        return ("" if has_video else text), audio, report
+
+
+def test_smoke_video_fails_on_an_empty_answer_or_too_few_prompt_tokens(engine, quantized_dir, monkeypatch):
+    import orin.checks.smoke as smoke
+
+    # as if the video or its soundtrack had been dropped: the prompt is shorter than the clip's tokens
+    monkeypatch.setattr(smoke, "video_prompt_tokens", lambda: 10**6)
+    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S),
+                       engine=_BlankVideoAnswers(engine))
+    statuses = _statuses(result)
+    assert not result.ok
+    assert statuses["video: answer"] == FAIL and statuses["video: prompt tokens"] == FAIL, render_table(result)
+    assert statuses["video: ttft"] == PASS and statuses["text: answer"] == PASS
+    details = {c.name: c.detail for c in result.checks}
+    assert details["video: answer"] == "empty text" and "at least 1000000 expected" in details["video: prompt tokens"]
+    assert "video: answer" in render_table(result) and "FAILED:" in render_table(result)
+
+
+def test_smoke_video_goes_through_the_real_decoder(engine, quantized_dir, monkeypatch):
+    import orin.video
+
+    monkeypatch.setattr(orin.video, "synth_clip", lambda *a, **k: b"\x00\x00\x00\x18ftypmp42 not really a video")
+    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S),
+                       engine=engine)
+    statuses = _statuses(result)
+    assert statuses["video: request"] == FAIL and not result.ok
+    assert not set(statuses) & VIDEO  # no answer to check
+    detail = next(c.detail for c in result.checks if c.name == "video: request")
+    assert "the smoke clip" in detail, detail
 
 
 def test_smoke_cli_exit_codes_and_thresholds(server, tmp_path):
@@ -170,6 +262,11 @@ def test_smoke_cli_exit_codes_and_thresholds(server, tmp_path):
     assert ok.exit_code == 0, ok.output
     data = json.loads(ok.output)
     assert data["ok"] is True and data["target"] == server.url
+    assert {c["name"] for c in data["checks"]} >= VIDEO
+    no_video = runner.invoke(cli, ["smoke", "--url", server.url, "--json", "--no-video"])
+    assert no_video.exit_code == 0, no_video.output
+    names = {c["name"] for c in json.loads(no_video.output)["checks"]}
+    assert not any(n.startswith("video") for n in names) and "text: answer" in names
     # Impossible limits fail the TTFT and peak checks, and the command exits 1 with the table.
     bad = runner.invoke(cli, ["smoke", "--url", server.url, "--max-ttft", "0.000001", "--max-peak", "1KiB"])
     assert bad.exit_code == 1

@@ -1,11 +1,16 @@
 """`orin-omni smoke`: end-to-end checks of a running server (--url) or of the engine in-process (--model-dir).
 
-It makes its own inputs (a 30 s speech-like clip and a test image, orin.media), runs three requests (text only;
-image + audio + text; speech out) and checks each answer: non-empty text, TTFT and peak memory within limits,
-for speech a valid 24 kHz WAV whose length matches the codec frames generated (12.5 frames/s at 24 kHz is 1920
-samples a frame), and power readings where a power backend exists ("skip", never "pass", when there is none).
-Over HTTP it also checks /health and /metrics. Only the standard library talks HTTP here, so the smoke test runs
-on a device without the `openai` package.
+It makes its own inputs (a 30 s speech-like clip and a test image, orin.media; a 4 s MP4 with a soundtrack,
+orin.video.synth_clip), runs four requests (text only; image + audio + text; speech out; video with its audio +
+text, left out with --no-video) and checks each answer: non-empty text, TTFT and peak memory within limits, for
+speech a valid 24 kHz WAV whose length matches the codec frames generated (12.5 frames/s at 24 kHz is 1920
+samples a frame), for video a prompt at least as long as the clip's frames and soundtrack make it (so the video
+was decoded and its audio kept, not dropped), and power readings where a power backend exists ("skip", never
+"pass", when there is none). In-process the clip goes through orin.video.load_video, the decoder a server uses;
+over HTTP it is a `video_url` data: URL, and a server that refuses that part type (HTTP 400
+unsupported_content_type) fails the video check as one that predates video support. Over HTTP it also checks
+/health and /metrics. Only the standard library talks HTTP here, so the smoke test runs on a device without the
+`openai` package.
 """
 
 from __future__ import annotations
@@ -20,12 +25,24 @@ import wave
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..audio_format import CODEC_FRAMES_PER_SECOND, INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..audio_format import (
+    CODEC_FRAMES_PER_SECOND,
+    INPUT_SAMPLE_RATE,
+    OUTPUT_SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    audio_token_count,
+)
 from ..errors import OrinError, UsageError
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
 
 MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
+# The video request's clip: 4 s at 10 fps, 128x160 (sides already multiples of 32, under the frame-pixel cap, so
+# the decoder keeps them), with a soundtrack.
+VIDEO_SECONDS = 4.0
+VIDEO_FPS = 10
+VIDEO_SIZE = (128, 160)  # (height, width)
+AUDIO_FEATURES_PER_SECOND = 100  # Whisper features: a 10 ms hop at 16 kHz
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,7 @@ class SmokeConfig:
     voice: str | None = None
     timeout_s: float = 600.0
     packed_cache: str | None = None  # in-process: orin.packed_cache's directory
+    video: bool = True  # the video request (--video/--no-video)
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,7 @@ class Case:
     image: bool = False
     audio: bool = False
     speech: bool = False
+    video: bool = False  # the clip, with its soundtrack
 
 
 CASES = (
@@ -74,6 +93,27 @@ CASES = (
     Case("image+audio+text", "Describe the picture and the sound in one sentence.", image=True, audio=True),
     Case("speech", "Say hello and introduce yourself in one sentence.", speech=True),
 )
+VIDEO_CASE = Case("video", "What moves in this clip, and what do you hear? Answer in one sentence.", video=True)
+
+
+def cases(video: bool = True) -> tuple[Case, ...]:
+    return CASES + (VIDEO_CASE,) if video else CASES
+
+
+def video_prompt_tokens(seconds: float = VIDEO_SECONDS, size: tuple[int, int] = VIDEO_SIZE, *, audio: bool = True,
+                        n_window: int = 50) -> int:
+    """The fewest prompt tokens the smoke clip can make: its frames sampled at 2 fps (orin.video's default, an
+    even count within the frame bounds) in temporal grids of two, each (h/32)·(w/32) tokens (16-pixel patches
+    merged 2x2), plus its soundtrack's audio tokens (Qwen3-Omni's n_window 50; the decoded track is never shorter
+    than the clip, AAC's priming makes it a little longer)."""
+    from ..video import FRAME_FACTOR, TEMPORAL_PATCH, VideoOptions, sampled_frames
+
+    h, w = size
+    frames = sampled_frames(seconds, VideoOptions())
+    tokens = frames // TEMPORAL_PATCH * (h // FRAME_FACTOR) * (w // FRAME_FACTOR)
+    if audio:
+        tokens += audio_token_count(int(seconds * AUDIO_FEATURES_PER_SECOND), n_window)
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -94,12 +134,22 @@ class SmokeRequestError(OrinError):
 class Inputs:
     audio: object  # float32 mono 16 kHz
     image: object  # PIL RGB
+    video: bytes | None = None  # an MP4 with a soundtrack (orin.video.synth_clip); None without the video request
 
     @classmethod
-    def make(cls, audio_seconds: float) -> Inputs:
+    def make(cls, audio_seconds: float, video: bool = False) -> Inputs:
         from ..media import synth_image, synth_speechlike
 
-        return cls(audio=synth_speechlike(audio_seconds, sr=INPUT_SAMPLE_RATE, seed=0), image=synth_image(224, seed=0))
+        clip = None
+        if video:
+            from ..video import synth_clip
+
+            clip = synth_clip(VIDEO_SECONDS, VIDEO_FPS, VIDEO_SIZE, audio=True, seed=0)
+        return cls(audio=synth_speechlike(audio_seconds, sr=INPUT_SAMPLE_RATE, seed=0), image=synth_image(224, seed=0),
+                   video=clip)
+
+    def mp4_data_url(self) -> str:
+        return "data:video/mp4;base64," + base64.b64encode(self.video).decode()
 
     def wav_b64(self) -> str:
         from ..media import encode_wav
@@ -154,6 +204,8 @@ class HttpTarget:
             content.append({"type": "image_url", "image_url": {"url": inputs.png_data_url()}})
         if case.audio:
             content.append({"type": "input_audio", "input_audio": {"data": inputs.wav_b64(), "format": "wav"}})
+        if case.video:
+            content.append({"type": "video_url", "video_url": {"url": inputs.mp4_data_url()}})
         content.append({"type": "text", "text": case.prompt})
         body: dict = {"messages": [{"role": "user", "content": content}], "max_tokens": max_new_tokens,
                       "temperature": 0}
@@ -165,7 +217,12 @@ class HttpTarget:
         status, raw = self._request("POST", "/v1/chat/completions", body)
         data = _json_or_error(raw)
         if status != 200:
-            message = (data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None
+            error = data.get("error") if isinstance(data.get("error"), dict) else {}
+            message = error.get("message")
+            if case.video and status == 400 and error.get("code") == "unsupported_content_type":
+                raise SmokeRequestError("the server predates video support: it refused the video_url part (HTTP 400 "
+                                        f"unsupported_content_type: {message}); upgrade it, or leave the check out "
+                                        "with --no-video")
             raise SmokeRequestError(f"HTTP {status}: {message or raw[:200]!r}")
         try:
             message = data["choices"][0]["message"]
@@ -209,13 +266,17 @@ class EngineTarget:
             parts.append({"type": "image", "image": inputs.image})
         if case.audio:
             parts.append({"type": "audio", "audio": inputs.audio})
-        parts.append({"type": "text", "text": case.prompt})
         extra = {"voice": self.voice} if self.voice else {}
         if self.max_speech_seconds is not None:
             extra["max_audio_frames"] = max(1, math.ceil(self.max_speech_seconds * CODEC_FRAMES_PER_SECOND))
-        req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=max_new_tokens,
-                                speech=case.speech, **extra)
         try:
+            if case.video:  # through the real decoder, as a server decodes a video_url part
+                from ..video import load_video
+
+                parts.append({"type": "video", "video": load_video(inputs.video, name="the smoke clip")})
+            parts.append({"type": "text", "text": case.prompt})
+            req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=max_new_tokens,
+                                    speech=case.speech, **extra)
             text, audio, report = self.engine.generate(req)
         except OrinError as exc:
             raise SmokeRequestError(str(exc)) from exc
@@ -319,6 +380,17 @@ def check_wav(name: str, answer: Answer) -> Check:
     return Check(label, PASS, f"{seconds:.2f} s at 24 kHz ({plausible})")
 
 
+def check_prompt_tokens(name: str, report: Mapping, minimum: int) -> Check:
+    """The prompt holds at least the tokens its media make (a video's frames and soundtrack): fewer means the
+    server or engine dropped frames or the audio."""
+    tokens = _num(report.get("prompt_tokens"))
+    if tokens is None or tokens <= 0:
+        return Check(f"{name}: prompt tokens", FAIL, f"the report has no prompt token count "
+                     f"({report.get('prompt_tokens')!r})")
+    status = PASS if tokens >= minimum else FAIL
+    return Check(f"{name}: prompt tokens", status, f"{int(tokens)}, at least {minimum} expected (frames + soundtrack)")
+
+
 def check_first_audio(name: str, report: Mapping) -> Check:
     first = _num(report.get("first_audio_s"))
     if first is None or first <= 0:
@@ -383,10 +455,10 @@ def check_metrics(target: HttpTarget) -> Check:
 
 
 def _run_cases(ask: Callable[[Case], Answer], ttft_limit: float | None, peak_limit: int | None,
-               ) -> tuple[list[Check], dict[str, Mapping]]:
+               video: bool = True) -> tuple[list[Check], dict[str, Mapping]]:
     checks: list[Check] = []
     reports: dict[str, Mapping] = {}
-    for case in CASES:
+    for case in cases(video):
         try:
             answer = ask(case)
         except SmokeRequestError as exc:
@@ -399,6 +471,8 @@ def _run_cases(ask: Callable[[Case], Answer], ttft_limit: float | None, peak_lim
         if case.speech:
             checks.append(check_wav(case.name, answer))
             checks.append(check_first_audio(case.name, answer.report))
+        if case.video:
+            checks.append(check_prompt_tokens(case.name, answer.report, video_prompt_tokens()))
     checks.append(check_power(reports))
     return checks, reports
 
@@ -425,7 +499,7 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
     """Run the checks. `engine` (tests) skips opening one for --model-dir."""
     if (cfg.url is None) == (cfg.model_dir is None and engine is None):
         raise UsageError("give exactly one of --url URL (a running server) or --model-dir DIR (in-process)")
-    inputs = Inputs.make(cfg.audio_seconds)
+    inputs = Inputs.make(cfg.audio_seconds, video=cfg.video)
     if cfg.url is not None:
         target = HttpTarget(cfg.url, _read_key(cfg.api_key_file), cfg.timeout_s, cfg.voice)
         checks = [check_health(target)]
@@ -438,7 +512,7 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
             health = {}
         budget_seen = (health.get("memory") or {}).get("budget")
         case_checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
-                                    _peak_limit(cfg, budget_seen))
+                                    _peak_limit(cfg, budget_seen), cfg.video)
         checks += case_checks
         checks.append(check_metrics(target))
         return SmokeResult(target=cfg.url, checks=tuple(checks))
@@ -453,7 +527,7 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         budget_seen = (engine.memory() or {}).get("budget")
         target = EngineTarget(engine, cfg.voice, cfg.max_speech_seconds)
         checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
-                               _peak_limit(cfg, budget_seen))
+                               _peak_limit(cfg, budget_seen), cfg.video)
     finally:
         if owned:
             engine.close()

@@ -17,6 +17,13 @@ BF16 weights. On CUDA the kernel timings (orin.devtools.bench_kernels) and a tor
 request record where the time goes; the targets and the table are orin.devtools.bench_report's, the AGX Orin
 projection orin.devtools.bench_projection's.
 
+The video cases (`--video-seconds S`, one per `--video-fps`; issue 16): one image, an S-second clip with its
+soundtrack (audio in video) and the instruction, answered as the standard request is, on the first all-resident
+engine and on the HF reference (after their standard request; `--video-only`: instead of it, and no time-sliced
+runs). Their figures go under the JSON's "video" key: the cases and what each side measured, what decoding an
+encoded clip of that shape costs (timed once here: the cases take the clip as already decoded) and the Orin
+projection of each case.
+
 This module runs the parts in order and keeps what each one measured: a part that fails is recorded under
 "errors" and the rest still run; the JSON is rewritten after every part.
 """
@@ -32,10 +39,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..errors import UsageError
-from .bench_config import BenchConfig, make_inputs, parse_compile
+from .bench_config import BenchConfig, check_video, make_inputs, make_video_cases, parse_compile
 from .bench_engine import run_all_resident, run_time_sliced
 from .bench_hf import run_hf
-from .bench_projection import orin_projection
+from .bench_projection import orin_projection, video_projection
 from .bench_report import BenchResult, best_run, render_table
 
 log = logging.getLogger("orin.devtools.bench")
@@ -61,6 +68,7 @@ def _check(cfg: BenchConfig) -> None:
         raise UsageError("--synthetic needs --config (a Qwen3-Omni config.json, or 'tiny')")
     if not cfg.compile:
         raise UsageError("--compile needs at least one of: off, on")
+    check_video(cfg)
 
 
 def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
@@ -88,6 +96,35 @@ def _storage(model_dir: str, device: str, log_fn) -> dict:
     return out
 
 
+def video_decode_timing(cfg: BenchConfig, log_fn, clip_seconds: float = 10.0, source_fps: int = 30) -> dict:
+    """What decoding costs (orin.video.load_video: PyAV, software decode, sampling and resizing), timed once on an
+    encoded clip of the video cases' frame size with its soundtrack (orin.video.synth_clip, MPEG-4 part 2 and
+    AAC at `source_fps`), at most `clip_seconds` long, sampled at the first --video-fps."""
+    import av  # noqa: F401 - imported before the clock starts
+
+    from ..video import VideoOptions, load_video, synth_clip
+
+    seconds = min(clip_seconds, cfg.video_seconds)
+    n = cfg.video_size
+    t0 = time.perf_counter()
+    data = synth_clip(seconds, source_fps, (n, n), audio=True, seed=cfg.seed)
+    encode_s = time.perf_counter() - t0
+    opts = VideoOptions(fps=cfg.video_fps[0], max_frame_pixels=n * n)
+    t0 = time.perf_counter()
+    video = load_video(data, opts, name="the decode-timing clip")
+    decode_s = time.perf_counter() - t0
+    out = {"clip_seconds": seconds, "source_fps": source_fps, "source_size": [n, n], "codec": video.source["codec"],
+           "encoded_bytes": len(data), "sample_fps": opts.fps, "frames": int(video.frames.shape[0]),
+           "frame_size": list(video.frames.shape[1:3]), "audio_samples": 0 if video.audio is None else
+           int(video.audio.size), "synth_encode_s": encode_s, "decode_s": decode_s,
+           "decode_s_per_video_s": decode_s / video.duration,
+           "decode_s_for_case": decode_s / video.duration * cfg.video_seconds}
+    log_fn(f"[video decode] {seconds:g} s of {n}x{n} at {source_fps} fps ({len(data) / 1e6:.1f} MB) decoded and "
+           f"sampled at {opts.fps:g} fps in {decode_s:.2f} s: {out['decode_s_per_video_s'] * 1e3:.0f} ms per "
+           f"video-second, {out['decode_s_for_case']:.1f} s for {cfg.video_seconds:g} s")
+    return out
+
+
 def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
     """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
     rewritten after every part, so a run cut short keeps what it measured."""
@@ -102,6 +139,10 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
         s.int4_bytes for s in manifest.segments.values()), "file_bytes": sum(
         s.total_bytes for s in manifest.segments.values())}
     inputs = make_inputs(cfg)
+    videos = tuple(make_video_cases(cfg))
+    video: dict = {}
+    if videos:
+        video = result.extra["video"] = {"cases": {c.name: c.describe() for c in videos}}
 
     def part(name: str, fn):
         t0 = time.perf_counter()
@@ -125,13 +166,31 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
             result.extra[key] = value
         result.write(cfg.json_out)
 
+    def recorder(system: str):
+        """record(), with "video:CASE" going to the case's `system` figures."""
+        def put(key: str, value) -> None:
+            if key.startswith("video:"):
+                video["cases"][key[6:]][system] = value
+                if isinstance(value, dict) and "error" in value:
+                    result.errors[f"{key[6:]}:{system}"] = value["error"]
+                result.write(cfg.json_out)
+            else:
+                record(key, value)
+        return put
+
+    if videos:
+        decode = part("video_decode", lambda: video_decode_timing(cfg, log_fn))
+        if decode:
+            video["decode"] = decode
     # The reference first: its figures are what the targets compare with, and its run time is known.
     if not cfg.skip_hf:
-        hf = part("hf", lambda: run_hf(cfg, model_dir, inputs, log_fn))
-        if hf:
+        hf = part("hf", lambda: run_hf(cfg, model_dir, inputs, log_fn, videos, recorder("hf_bf16")))
+        if hf and cfg.video_only:
+            video["hf_bf16_model"] = hf  # its build and warm-up: no standard request ran
+        elif hf:
             result.runs["hf_bf16"] = hf
-    part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, record))
-    if not cfg.skip_sliced and cfg.budget_sliced:
+    part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, recorder("orin"), videos))
+    if not cfg.video_only and not cfg.skip_sliced and cfg.budget_sliced:
         storage = part("storage", lambda: _storage(model_dir, cfg.device, log_fn))
         if storage:
             result.extra["storage_bandwidth"] = storage
@@ -147,15 +206,27 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
             sliced = part(key, lambda b=budget: run_time_sliced(unpacked, model_dir, inputs, log_fn, b))
             if sliced:
                 result.runs[key] = sliced
-    any_run = next(iter(result.runs.values()), {})
-    proj = part("orin_projection", lambda: orin_projection(
-        model_dir, any_run.get("prompt_tokens") or 0, cfg.text_tokens, cfg.audio_frames, best_run(result.runs)))
-    if proj:
-        result.extra["orin_projection"] = proj
+    if result.runs:
+        any_run = next(iter(result.runs.values()), {})
+        proj = part("orin_projection", lambda: orin_projection(
+            model_dir, any_run.get("prompt_tokens") or 0, cfg.text_tokens, cfg.audio_frames, best_run(result.runs)))
+        if proj:
+            result.extra["orin_projection"] = proj
+    for case in videos:
+        ours = video["cases"][case.name].get("orin") or {}
+        if ours.get("prompt_tokens"):
+            decode = video.get("decode") or {}
+            gpu = (result.meta.get("gpu") or {}).get("name")
+            proj = part(f"video_projection_{case.name}", lambda o=ours, d=decode, g=gpu: video_projection(
+                model_dir, o, cfg.text_tokens, cfg.audio_frames, o, g, d.get("decode_s_per_video_s"),
+                cfg.video_seconds))
+            if proj:
+                video.setdefault("orin_projection", {})[case.name] = proj
     result.extra["bench_s"] = time.perf_counter() - t_start
     result.write(cfg.json_out)
     return result
 
 
 # The command's face (orin.cli builds a BenchConfig, calls run_bench, prints render_table).
-__all__ = ["BenchConfig", "BenchResult", "orin_projection", "parse_compile", "render_table", "run_bench"]
+__all__ = ["BenchConfig", "BenchResult", "orin_projection", "parse_compile", "render_table", "run_bench",
+           "video_decode_timing"]

@@ -1,7 +1,13 @@
 """The benchmark's settings and its standard request: one user turn with images, an audio clip and a short
 instruction, answered with a fixed number of text tokens and speech frames (EOS ignored on every side, so every
 side does the same work). Shared by the engine side (orin.devtools.bench_engine) and the HF reference
-(orin.devtools.bench_hf)."""
+(orin.devtools.bench_hf).
+
+The video cases (`video_seconds` > 0; issue 16): per sampling rate, one user turn with one image, a video of
+`video_seconds` with its soundtrack (audio in video) and the instruction, answered as the standard request is.
+The clip is built as already decoded (orin.video.Video: pseudo-random frames at `video_size`², the count that
+orin.video.sampled_frames gives, and a speech-like soundtrack), so no run pays a two-minute decode; what decoding
+costs is timed once apart (orin.devtools.bench.video_decode_timing)."""
 
 from __future__ import annotations
 
@@ -45,6 +51,11 @@ class BenchConfig:
     hf_repeats: int = 2
     packed_cache: str = "auto"  # a --packed-cache value (orin.packed_cache.resolve_dir): "auto", "off" or a path
     sliced_unpacked: tuple[int, ...] = ()  # budgets run time-sliced again without packed copies (converting)
+    # The video cases: a clip of video_seconds (0: none) sampled at each of video_fps, frames video_size² pixels.
+    video_seconds: float = 0.0
+    video_fps: tuple[float, ...] = (2.0,)
+    video_size: int = 448
+    video_only: bool = False  # only the video cases: no standard request, time-sliced runs, kernels or profile
 
 
 def parse_compile(text: str) -> tuple[bool, ...]:
@@ -70,6 +81,7 @@ class BenchInputs:
     messages: tuple
     images: list
     audio: object  # float32 samples at orin.audio_format.INPUT_SAMPLE_RATE, or None
+    video: object = None  # an orin.video.Video (a video case), or None
 
 
 def make_inputs(cfg: BenchConfig) -> BenchInputs:
@@ -83,6 +95,96 @@ def make_inputs(cfg: BenchConfig) -> BenchInputs:
         parts.append({"type": "audio", "audio": audio})
     parts.append({"type": "text", "text": cfg.prompt})
     return BenchInputs(({"role": "user", "content": parts},), images, audio)
+
+
+@dataclass(frozen=True)
+class VideoCase:
+    """One video case: its name in the JSON ("video_2fps"), the sampling rate and the request's inputs."""
+
+    name: str
+    fps: float
+    inputs: BenchInputs
+
+    def describe(self) -> dict:
+        v = self.inputs.video
+        t, h, w, _ = v.frames.shape
+        return {"fps": self.fps, "seconds": v.duration, "frames": t, "frame_size": [h, w],
+                "sampled_fps": v.fps, "soundtrack_s": (len(v.audio) / _rate()) if v.audio is not None else 0.0,
+                "images": len(self.inputs.images), "expected_video_tokens": video_tokens(t, h, w)}
+
+
+def _rate() -> int:
+    from ..audio_format import INPUT_SAMPLE_RATE
+
+    return INPUT_SAMPLE_RATE
+
+
+def video_tokens(frames: int, height: int, width: int) -> int:
+    """The thinker tokens of a clip's frames: one per 2x2 merge of 16-pixel patches, two frames a temporal grid."""
+    from ..video import FRAME_FACTOR, TEMPORAL_PATCH
+
+    return (frames // TEMPORAL_PATCH) * (height // FRAME_FACTOR) * (width // FRAME_FACTOR)
+
+
+def check_video(cfg: BenchConfig) -> None:
+    from ..video import FRAME_FACTOR, VideoOptions
+
+    if cfg.video_seconds < 0:
+        raise UsageError(f"--video-seconds {cfg.video_seconds:g} must be 0 (no video case) or more")
+    if cfg.video_only and not cfg.video_seconds:
+        raise UsageError("--video-only needs --video-seconds")
+    if not cfg.video_seconds:
+        return
+    if cfg.video_size < FRAME_FACTOR or cfg.video_size % FRAME_FACTOR:
+        raise UsageError(f"--video-size {cfg.video_size}: a frame side must be a multiple of {FRAME_FACTOR}")
+    if not cfg.video_fps or len(set(cfg.video_fps)) != len(cfg.video_fps):
+        raise UsageError("--video-fps: give each sampling rate once")
+    for fps in cfg.video_fps:
+        opts = VideoOptions(fps=fps, max_frame_pixels=cfg.video_size ** 2)
+        opts.check()  # an InputError naming the rate
+        if cfg.video_seconds > opts.max_seconds:
+            raise UsageError(f"--video-seconds {cfg.video_seconds:g} is over the {opts.max_seconds:g} s a video may "
+                             "last")
+
+
+def synth_video(seconds: float, fps: float, size: int, seed: int = 0):
+    """An already-decoded clip as orin.video.load_video gives one: sampled_frames(seconds) frames of size² pixels
+    (pseudo-random, deterministic for `seed`), its real rate (frames / seconds), and a speech-like soundtrack of
+    `seconds` at 16 kHz."""
+    import numpy as np
+
+    from ..media import synth_speechlike
+    from ..video import Video, VideoOptions, sampled_frames
+
+    n = sampled_frames(seconds, VideoOptions(fps=fps, max_frame_pixels=size * size))
+    frames = np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+    rate = n / seconds
+    return Video(frames=frames, fps=rate, timestamps=tuple(float(i / rate) for i in range(n)), duration=seconds,
+                 audio=synth_speechlike(seconds, _rate(), seed=seed + 1),
+                 source={"synthetic": True, "width": size, "height": size, "codec": None})
+
+
+def case_name(fps: float) -> str:
+    return f"video_{fps:g}fps".replace(".", "p")
+
+
+def make_video_cases(cfg: BenchConfig) -> list[VideoCase]:
+    """One case per --video-fps, the lowest rate first: [one image (if --images >= 1)] + the clip with its soundtrack
+    + the instruction. The order matters to the engine: its static KV caches keep the largest size a request has
+    needed, and decode attends over all of it, so a shorter prompt after a longer one decodes as the longer."""
+    from ..media import synth_image
+
+    if not cfg.video_seconds:
+        return []
+    images = [synth_image(cfg.image_size, seed=cfg.seed)] if cfg.images >= 1 else []
+    cases = []
+    for fps in sorted(cfg.video_fps):
+        video = synth_video(cfg.video_seconds, fps, cfg.video_size, seed=cfg.seed)
+        parts = [{"type": "image", "image": im} for im in images] + [{"type": "video", "video": video},
+                                                                    {"type": "text", "text": cfg.prompt}]
+        cases.append(VideoCase(case_name(fps), fps, BenchInputs(({"role": "user", "content": parts},), images,
+                                                                None, video)))
+    return cases
 
 
 def bench_request(cfg: BenchConfig, inputs: BenchInputs, **overrides):
@@ -111,5 +213,6 @@ def free(device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["GiB", "RUN_NAMES", "BenchConfig", "BenchInputs", "bench_request", "free", "make_inputs", "parse_compile",
-           "run_name", "sync"]
+__all__ = ["GiB", "RUN_NAMES", "BenchConfig", "BenchInputs", "VideoCase", "bench_request", "case_name", "check_video",
+           "free", "make_inputs", "make_video_cases", "parse_compile", "run_name", "synth_video", "sync",
+           "video_tokens"]

@@ -5,7 +5,9 @@ orin.contract's events and Report, the loader's residency, an observer for the s
 Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
 warm-up request (kernels, CUDA graphs, compilation) cancelled after its first audio packet, the measured
 request, and three short requests for TTFT. On CUDA the kernel timings (orin.devtools.bench_kernels) and, for
-the last setting, a torch.profiler pass over a short request follow."""
+the last setting, a torch.profiler pass over a short request follow. The video cases (orin.devtools.bench_config)
+run on the first setting's engine: each gets its own warm-up (cancelled after the first audio packet: the long
+prefill's shapes) and one measured request."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from .. import components as C
 from ..units import format_bytes
-from .bench_config import BenchConfig, BenchInputs, bench_request, free, run_name, sync
+from .bench_config import BenchConfig, BenchInputs, VideoCase, bench_request, free, run_name, sync
 from .bench_kernels import decode_timings, prefill_timings, profile_events
 from .bench_report import ttft_stats
 
@@ -141,6 +143,62 @@ def _measure_resident(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, 
     return summary
 
 
+def _since(timeline: dict, mark: str, before: tuple[str, ...]) -> float | None:
+    """Seconds from the latest of `before`'s marks reached before `mark` to `mark` (None where it is missing)."""
+    end = timeline.get(mark)
+    if end is None:
+        return None
+    starts = [timeline[k] for k in before if k in timeline and timeline[k] <= end]
+    return end - max(starts) if starts else None
+
+
+def video_phases(timeline: dict) -> dict:
+    """The video request's phases from the engine's timeline marks (orin.engine): preprocessing (the processor:
+    patches, Whisper features), the encoders (vision and audio), the video's share of them, the thinker prefill
+    (merge included) and the talker's prefill over the same prompt."""
+    return {"prepare_s": timeline.get("prepared"),
+            "encode_s": _since(timeline, "encoded", ("planned",)),
+            "video_encode_s": _since(timeline, "video_encoded", ("planned", "audio_encoded", "image_encoded")),
+            "prefill_s": _since(timeline, "prefilled", ("encoded",)),
+            "talker_prefill_s": _since(timeline, "talker_prefilled", ("first_token",))}
+
+
+def prompt_counts(prompt) -> dict:
+    """A prompt's tokens by kind (orin.prompt.Prompt): a video's soundtrack counts as audio."""
+    return {"prompt_tokens": prompt.length, "video_tokens": prompt.n_video_tokens,
+            "audio_tokens": prompt.n_audio_tokens, "image_tokens": prompt.n_image_tokens,
+            "video_grids": [list(g) for g in prompt.video_grids]}
+
+
+def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) -> dict:
+    """One video case on an all-resident engine: a warm-up cancelled after its first audio packet (the prompt's
+    shapes, new to the engine), then the measured request. Peak: the allocator's, reset before the request."""
+    import torch
+
+    cuda = engine.device.type == "cuda"
+    counts = prompt_counts(engine.prepare(bench_request(cfg, case.inputs)))
+    t0 = time.perf_counter()
+    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_audio=cfg.audio_frames > 0)
+    warm_s = time.perf_counter() - t0
+    free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    report = stream_request(engine, bench_request(cfg, case.inputs)).report
+    summary = summarize_engine(report, f"orin-omni INT4 all-resident ({name})")
+    if cuda:  # the allocator's own peak over the whole request (the loader samples it at its checkpoints)
+        summary["peak_bytes"] = max(summary["peak_bytes"] or 0, torch.cuda.max_memory_allocated(engine.device))
+    summary.update(counts)
+    summary.update(video_phases(summary["timeline_s"]))
+    summary["warmup_s"] = warm_s
+    summary["decoders"] = engine.decoder_stats()
+    log_fn(f"[{case.name} {name}] {counts['prompt_tokens']} prompt tokens ({counts['video_tokens']} video, "
+           f"{counts['audio_tokens']} audio): encode {summary['encode_s'] or 0:.2f} s, prefill "
+           f"{summary['prefill_s'] or 0:.2f} s, ttft {summary['ttft_s'] or 0:.2f} s, first audio "
+           f"{summary['first_audio_s'] or 0:.2f} s, total {summary['total_s']:.1f} s, peak "
+           f"{format_bytes(summary['peak_bytes'] or 0)}, {summary['energy_j'] or 0:.0f} J")
+    return summary
+
+
 def _attempt(key: str, fn) -> dict:
     """fn()'s figures, or its error: a failed timing is a finding, not a reason to stop."""
     try:
@@ -150,13 +208,16 @@ def _attempt(key: str, fn) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
 
 
-def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn, record: Record) -> dict:
+def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn, record: Record,
+                     videos: tuple[VideoCase, ...] = ()) -> dict:
     """Per torch.compile setting, an engine with every component loaded, its warm-up and measured requests;
     `record(key, value)` is called as each figure is ready ("all_resident": the first load; "run:orin_NAME": a
-    run; "error:orin_NAME": a setting that failed, the next one still runs; "kernel_timings", "profile")."""
+    run; "error:orin_NAME": a setting that failed, the next one still runs; "kernel_timings", "profile";
+    "video:CASE": a video case on the first setting's engine). With cfg.video_only, only the first setting's
+    engine runs, and only the video cases."""
     loaded: dict = {}
     kernels: dict = {}
-    for i, compile in enumerate(cfg.compile):
+    for i, compile in enumerate(cfg.compile[:1] if cfg.video_only else cfg.compile):
         name = run_name(compile)
         engine = None
         try:
@@ -165,15 +226,19 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
             if not loaded:
                 loaded = this_load
                 record("all_resident", loaded)
-            record(f"run:orin_{name}", _measure_resident(engine, cfg, inputs, name, this_load, log_fn))
-            if engine.device.type == "cuda":
-                kernels[f"decode_{name}"] = _attempt(f"decode_{name}", lambda e=engine: decode_timings(e))
-                if i == 0:  # the routes and the encoders do not depend on the compile setting
-                    kernels["prefill"] = _attempt("prefill", lambda e=engine: prefill_timings(
-                        e, prompt=e.prepare(bench_request(cfg, inputs))))
-                record("kernel_timings", kernels)
-                if cfg.profile and i == len(cfg.compile) - 1:
-                    record("profile", {name: _attempt("profile", lambda e=engine: profile_request(e, cfg, inputs))})
+            if not cfg.video_only:
+                try:
+                    _standard(engine, cfg, inputs, name, i, this_load, kernels, log_fn, record)
+                except Exception as exc:  # noqa: BLE001 - the video cases on this engine still run
+                    if not videos or i > 0:
+                        raise
+                    log.exception("all-resident run %s failed", name)
+                    record(f"error:orin_{name}", f"{type(exc).__name__}: {exc}"[:1000])
+            if i == 0:  # after the standard request's figures, which stay comparable with earlier runs'
+                for case in videos:
+                    free(cfg.device)
+                    record(f"video:{case.name}", _attempt(case.name, lambda e=engine, c=case, n=name: measure_video(
+                        e, cfg, c, n, log_fn)))
         except Exception as exc:  # noqa: BLE001 - the other settings' figures still count
             log.exception("all-resident run %s failed", name)
             record(f"error:orin_{name}", f"{type(exc).__name__}: {exc}"[:1000])
@@ -183,6 +248,20 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
             del engine
             free(cfg.device)
     return loaded
+
+
+def _standard(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, i: int, loaded: dict, kernels: dict, log_fn,
+              record: Record) -> None:
+    """The standard request's run on one all-resident engine, then (CUDA) its kernel timings and profile."""
+    record(f"run:orin_{name}", _measure_resident(engine, cfg, inputs, name, loaded, log_fn))
+    if engine.device.type == "cuda":
+        kernels[f"decode_{name}"] = _attempt(f"decode_{name}", lambda e=engine: decode_timings(e))
+        if i == 0:  # the routes and the encoders do not depend on the compile setting
+            kernels["prefill"] = _attempt("prefill", lambda e=engine: prefill_timings(
+                e, prompt=e.prepare(bench_request(cfg, inputs))))
+        record("kernel_timings", kernels)
+        if cfg.profile and i == len(cfg.compile) - 1:
+            record("profile", {name: _attempt("profile", lambda e=engine: profile_request(e, cfg, inputs))})
 
 
 def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn, budget: int,
@@ -271,5 +350,5 @@ def profile_request(engine, cfg: BenchConfig, inputs: BenchInputs, tokens: int =
             "stages_s": {k: v.seconds for k, v in streamed.report.energy.by_stage.items()}}
 
 
-__all__ = ["Streamed", "open_engine", "profile_request", "run_all_resident", "run_time_sliced", "stream_request",
-           "summarize_engine"]
+__all__ = ["Streamed", "measure_video", "open_engine", "profile_request", "prompt_counts", "run_all_resident",
+           "run_time_sliced", "stream_request", "summarize_engine", "video_phases"]

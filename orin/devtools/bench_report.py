@@ -2,7 +2,8 @@
 
 A run is a dict of figures (orin.devtools.bench_engine.summarize_engine, orin.devtools.bench_hf.run_hf); the
 targets compare the fastest all-resident orin-omni run ("orin_graph", "orin_compiled"), the time-sliced runs
-("orin_time_sliced", "orin_time_sliced_2", ...) and the HF reference ("hf_bf16")."""
+("orin_time_sliced", "orin_time_sliced_2", ...) and the HF reference ("hf_bf16"). The video cases (the JSON's
+"video": per case, the "orin" and "hf_bf16" figures and the Orin projection) get a table of their own."""
 
 from __future__ import annotations
 
@@ -123,24 +124,76 @@ def _cell(run: dict, key: str | None, kind: str) -> str:
     return f"{value:.0f}"
 
 
+def _grid(heads: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        return (["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+                + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [heads] + rows]
+
+
+_VIDEO_HEADS = ["case", "system", "prompt tokens (video/audio)", "peak GiB", "encode s", "prefill s", "TTFT s",
+                "first audio s", "total s", "energy J"]
+_VIDEO_SYSTEMS = (("orin", "orin-omni INT4"), ("hf_bf16", "HF"))
+
+
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def video_rows(video: dict) -> list[list[str]]:
+    """One row per video case and system (orin-omni all-resident, HF BF16, the AGX Orin projection)."""
+    rows = []
+    for name, case in video.get("cases", {}).items():
+        label = f"{name} ({case.get('fps', 0):g} fps, {case.get('frames')} frames)"
+        for key, system in _VIDEO_SYSTEMS:
+            run = case.get(key)
+            if run is None:
+                continue
+            if "error" in run:
+                rows.append([label, system, "error: " + run["error"][:60]] + ["-"] * (len(_VIDEO_HEADS) - 3))
+                continue
+            if key == "hf_bf16":
+                system += " BF16" if "BF16" in run.get("label", "") else " fp32"
+            peak = run.get("peak_bytes")
+            rows.append([label, system, f"{run.get('prompt_tokens')} ({run.get('video_tokens')}/"
+                                        f"{run.get('audio_tokens')})", _num(peak / GiB if peak else None),
+                         _num(run.get("encode_s")), _num(run.get("prefill_s")), _num(run.get("ttft_s")),
+                         _num(run.get("first_audio_s")), _num(run.get("total_s"), 1), _num(run.get("energy_j"), 0)])
+        proj = (video.get("orin_projection") or {}).get(name)
+        if proj:
+            st = proj["stages"]
+            peak = proj.get("peak_bytes_allocator")
+            rows.append([label, "AGX Orin (projected)", "same as orin", _num(peak / GiB if peak else None),
+                         _num(st["encode"]["s"]), _num(st["thinker_prefill"]["s"]), _num(proj["ttft_s"]),
+                         _num(proj["first_audio_s"]), _num(proj["total_s"], 1), "-"])
+    return rows
+
+
+def render_video(video: dict, markdown: bool = False) -> list[str]:
+    """The video cases' table, and what decoding an encoded clip costs."""
+    lines = _grid(_VIDEO_HEADS, video_rows(video), markdown)
+    dec = video.get("decode")
+    if dec:
+        lines.append(f"video decode (PyAV, {dec['source_size'][0]}x{dec['source_size'][1]} at {dec['source_fps']} fps, "
+                     f"sampled at {dec['sample_fps']:g} fps): {dec['decode_s_per_video_s'] * 1e3:.0f} ms per "
+                     f"video-second, {dec['decode_s_for_case']:.1f} s for the cases' clip (not in the times above)")
+    return lines
+
+
 def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
     data = result.to_json() if isinstance(result, BenchResult) else result
     runs = data["runs"]
     order = [k for k in _RESIDENT_ORDER if k in runs]
     order += sorted(k for k in runs if "time_sliced" in k) + [k for k in ("hf_bf16",) if k in runs]
-    heads = ["metric"] + [runs[k].get("label", k) for k in order]
-    rows = [[name] + [_cell(runs[k], key, kind) for k in order] for name, key, kind in _ROWS]
     lines = []
-    if markdown:
-        lines.append("| " + " | ".join(heads) + " |")
-        lines.append("|" + "---|" * len(heads))
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
-        for r in [heads] + rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    lines.append("")
-    for t in data["targets"]:
+    if order:
+        heads = ["metric"] + [runs[k].get("label", k) for k in order]
+        rows = [[name] + [_cell(runs[k], key, kind) for k in order] for name, key, kind in _ROWS]
+        lines += _grid(heads, rows, markdown) + [""]
+    if data.get("video"):
+        lines += render_video(data["video"], markdown) + [""]
+    for t in data["targets"] if order else ():
         mark = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         v = t["value"]
         shown = "-" if v is None else (f"{v / GiB:.2f} GiB" if "bytes" in t["target"] or "peak" in t["target"]
@@ -151,4 +204,5 @@ def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TARGETS", "BenchResult", "best_run", "evaluate_targets", "render_table", "ttft_stats"]
+__all__ = ["TARGETS", "BenchResult", "best_run", "evaluate_targets", "render_table", "render_video", "ttft_stats",
+           "video_rows"]

@@ -7,7 +7,8 @@ checkpoint does not carry.
 - The feature extractor's and image processor's values: processor_config.json's "feature_extractor" and
   "image_processor" sections (what transformers 5's `save_pretrained` writes, as the tiny checkpoint has), else
   the flat preprocessor_config.json the released Qwen3-Omni checkpoints ship, else QWEN3_OMNI_PREPROCESSOR.
-- config.json (optional): the audio encoder's `n_window`, which fixes how many tokens an audio becomes.
+- config.json (optional): the audio encoder's `n_window`, which fixes how many tokens an audio becomes, and the
+  thinker's `position_id_per_seconds`, which fixes how a video's audio interleaves with its frames.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ QWEN3_OMNI_PREPROCESSOR = {
 }
 # The audio encoder's window when config.json does not say (Qwen3-Omni's own value, and the HF processor's).
 DEFAULT_N_WINDOW = 50
+# Position ids per second of audio-in-video, when config.json does not say (Qwen3-Omni's, and the HF processor's).
+DEFAULT_POSITION_ID_PER_SECONDS = 13
 
 
 @dataclass(frozen=True)
@@ -111,4 +114,15 @@ def audio_window(model_dir: Path) -> int:
     if not isinstance(value, int) or value <= 0:
         raise ModelError(f"{model_dir / 'config.json'}: thinker_config.audio_config.n_window is {value!r}, "
                          "not a positive integer")
+    return value
+
+
+def position_id_per_seconds(model_dir: Path) -> float:
+    """config.json's thinker_config.position_id_per_seconds (how audio tokens and video grids interleave), else
+    DEFAULT_POSITION_ID_PER_SECONDS."""
+    config = optional_json(model_dir, "config.json")
+    value = (config.get("thinker_config") or {}).get("position_id_per_seconds", DEFAULT_POSITION_ID_PER_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ModelError(f"{model_dir / 'config.json'}: thinker_config.position_id_per_seconds is {value!r}, "
+                         "not a positive number")
     return value

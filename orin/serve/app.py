@@ -56,6 +56,7 @@ class ServeConfig:
     warmup: bool = True
     max_body_bytes: int = 64 * MiB
     max_audio_seconds: float = 300.0
+    max_video_seconds: float = 600.0
     max_image_pixels: int = 32 * MiB
     max_new_tokens: int = 8192
     max_speech_seconds: float | None = None
@@ -102,7 +103,8 @@ class Server:
             check_served_name(cfg.served_model_name)
         self.api_keys = read_api_keys(cfg.api_key_file) if cfg.api_key_file else ()
         self.limits = Limits(max_audio_seconds=cfg.max_audio_seconds, max_image_pixels=cfg.max_image_pixels,
-                             max_new_tokens=cfg.max_new_tokens, allow_dir=cfg.allow_dir)
+                             max_new_tokens=cfg.max_new_tokens, allow_dir=cfg.allow_dir,
+                             max_video_seconds=cfg.max_video_seconds)
         # Imported here: `orin-omni smoke` imports read_api_keys from this module where no web stack is installed.
         from .routes import build_app
         from .worker import Worker

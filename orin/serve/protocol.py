@@ -2,7 +2,10 @@
 maps to, and the JSON shapes of responses, stream chunks and errors. Pure functions over dicts, bytes and the
 engine's Report; orin.serve.routes and orin.serve.streaming do the I/O.
 
-Follows what the official `openai` client sends and parses: content parts `text`, `image_url` and `input_audio`;
+Follows what the official `openai` client sends and parses: content parts `text`, `image_url`, `input_audio` and
+`video_url` (vLLM's part: `{"url", "fps", "audio"}`, with the request's `video_fps` and `use_audio_in_video` as
+defaults for every video, which the client sends through `extra_body`; `audio` true, the default, sends the
+soundtrack too, interleaved with the frames as Qwen3-Omni's audio in video);
 `modalities: ["text", "audio"]` with `audio: {voice, format}` returning `message.audio` (`id`, `data`,
 `expires_at`, `transcript`; the text is the transcript and `content` is null, as OpenAI does); in a stream, text
 as `delta.content` (text only) or `delta.audio.transcript` (audio out) and audio as `delta.audio.data`.
@@ -19,7 +22,7 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +36,8 @@ INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 # `pcm16` is what OpenAI streams (raw 16-bit little-endian mono at 24 kHz); `wav` is a complete file.
 OUTPUT_AUDIO_FORMATS = ("wav", "pcm16")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MEDIA_PARTS = ("image_url", "input_audio", "video_url")
+MAX_VIDEO_FPS = 60.0
 
 
 class ApiError(Exception):
@@ -79,6 +84,16 @@ class Limits:
     max_new_tokens: int = 8192
     default_max_new_tokens: int = 256
     allow_dir: str | None = None
+    max_video_seconds: float = 600.0
+
+
+@dataclass(frozen=True)
+class VideoDefaults:
+    """The request's `video_fps` and `use_audio_in_video`: what a video_url part that sets neither gets. `fps`
+    None leaves the rate to orin.video (Qwen3-Omni's own 2 fps)."""
+
+    fps: float | None = None
+    audio: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,11 +148,11 @@ def decode_data_url(url: str, param: str) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
-def read_file_url(url: str, allow_dir: str | None, param: str, max_bytes: int) -> bytes:
+def read_file_url(url: str, allow_dir: str | None, param: str, max_bytes: int, what: str = "image") -> bytes:
     """A file:// URL's bytes, only for a regular file under `allow_dir` (symlinks resolved first, so a link
-    inside the directory cannot point out of it)."""
+    inside the directory cannot point out of it). `what` names the medium in the refusal's advice."""
     if allow_dir is None:
-        raise _bad(f"{param}: file:// URLs are refused by this server; send the image as a data: URL, or start "
+        raise _bad(f"{param}: file:// URLs are refused by this server; send the {what} as a data: URL, or start "
                    "the server with --allow-dir DIR to allow files under DIR", param)
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
@@ -155,27 +170,75 @@ def read_file_url(url: str, allow_dir: str | None, param: str, max_bytes: int) -
         return fh.read()
 
 
+def _url_bytes(url: object, limits: Limits, param: str, max_bytes: int, what: str, example: str) -> bytes:
+    """The bytes an image_url or video_url part's `url` (at `param`) carries: a data: URL, or a file:// URL under
+    --allow-dir; never the network. `example` is the data: URL prefix the advice shows."""
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{param}.url must be a non-empty string", param)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        raw = decode_data_url(url, f"{param}.url")
+    elif scheme == "file":
+        raw = read_file_url(url, limits.allow_dir, f"{param}.url", max_bytes, what)
+    elif scheme in ("http", "https"):
+        raise _bad(f"{param}.url: this server never fetches from the network; send the {what} as a data: URL "
+                   f"({example})", param)
+    else:
+        raise _bad(f"{param}.url must be a data: URL (or file:// under --allow-dir), got scheme "
+                   f"{scheme or 'none'!r}", param)
+    if not raw:
+        raise _bad(f"{param}.url holds no {what} bytes", param)
+    return raw
+
+
 def _image(part: dict, limits: Limits, param: str, max_bytes: int):
     from ..media import load_image
 
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
-    if not isinstance(url, str) or not url:
-        raise _bad(f"{param}.image_url.url must be a non-empty string", f"{param}.image_url")
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        raw = decode_data_url(url, f"{param}.image_url.url")
-    elif scheme == "file":
-        raw = read_file_url(url, limits.allow_dir, f"{param}.image_url.url", max_bytes)
-    elif scheme in ("http", "https"):
-        raise _bad(f"{param}.image_url.url: this server never fetches from the network; send the image as a "
-                   "data: URL (data:image/png;base64,...)", f"{param}.image_url")
-    else:
-        raise _bad(f"{param}.image_url.url must be a data: URL (or file:// under --allow-dir), got scheme "
-                   f"{scheme or 'none'!r}", f"{param}.image_url")
-    if not raw:
-        raise _bad(f"{param}.image_url.url holds no image bytes", f"{param}.image_url")
+    raw = _url_bytes(url, limits, f"{param}.image_url", max_bytes, "image", "data:image/png;base64,...")
     return load_image(raw, max_pixels=limits.max_image_pixels)
+
+
+def _fps(value: object, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"{param} must be a number of frames per second, such as 2; got {value!r}", param)
+    if not 0 < value <= MAX_VIDEO_FPS:
+        raise _bad(f"{param} is {value:g}; send a rate above 0 and at most {MAX_VIDEO_FPS:g} frames per second, "
+                   "such as 2", param)
+    return float(value)
+
+
+def _flag(value: object, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(f"{param} must be true or false (a JSON boolean); got {value!r}", param)
+    return value
+
+
+def video_defaults(data: dict) -> VideoDefaults:
+    """The request-level `video_fps` and `use_audio_in_video`, validated."""
+    fps, audio = data.get("video_fps"), data.get("use_audio_in_video")
+    return VideoDefaults(fps=None if fps is None else _fps(fps, "video_fps"),
+                         audio=True if audio is None else _flag(audio, "use_audio_in_video"))
+
+
+def _video(part: dict, limits: Limits, param: str, max_bytes: int, defaults: VideoDefaults):
+    from ..video import VideoOptions, load_video
+
+    where = f"{param}.video_url"
+    spec = part.get("video_url")
+    spec = spec if isinstance(spec, dict) else {"url": spec}
+    fps = defaults.fps if spec.get("fps") is None else _fps(spec["fps"], f"{where}.fps")
+    audio = defaults.audio if spec.get("audio") is None else _flag(spec["audio"], f"{where}.audio")
+    raw = _url_bytes(spec.get("url"), limits, where, max_bytes, "video", "data:video/mp4;base64,...")
+    opts = VideoOptions(audio=audio, max_seconds=limits.max_video_seconds, max_bytes=max_bytes)
+    opts = opts if fps is None else replace(opts, fps=fps)
+    try:
+        return load_video(raw, opts, name=where)
+    except InputError as exc:
+        # load_video names the input in most refusals, not in all (a frame without area): the part is always named.
+        message = str(exc)
+        raise _bad(message if where in message else f"{where}: {message}", where) from exc
 
 
 def _audio(part: dict, limits: Limits, param: str):
@@ -206,7 +269,16 @@ def _audio(part: dict, limits: Limits, param: str):
     return samples
 
 
-def _content(role: str, content: object, limits: Limits, param: str, max_bytes: int):
+def _media(kind: str, part: dict, limits: Limits, where: str, max_bytes: int, video: VideoDefaults) -> dict:
+    """A user message's media part, decoded into orin.engine's part."""
+    if kind == "image_url":
+        return {"type": "image", "image": _image(part, limits, where, max_bytes)}
+    if kind == "input_audio":
+        return {"type": "audio", "audio": _audio(part, limits, where)}
+    return {"type": "video", "video": _video(part, limits, where, max_bytes, video)}
+
+
+def _content(role: str, content: object, limits: Limits, param: str, max_bytes: int, video: VideoDefaults):
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -222,20 +294,18 @@ def _content(role: str, content: object, limits: Limits, param: str, max_bytes: 
             if not isinstance(text, str):
                 raise _bad(f"{where}.text must be a string", f"{where}.text")
             parts.append({"type": "text", "text": text})
-        elif kind in ("image_url", "input_audio"):
+        elif kind in MEDIA_PARTS:
             if role != "user":
                 raise _bad(f"{where}: {kind} parts are only accepted in user messages", where)
-            if kind == "image_url":
-                parts.append({"type": "image", "image": _image(part, limits, where, max_bytes)})
-            else:
-                parts.append({"type": "audio", "audio": _audio(part, limits, where)})
+            parts.append(_media(kind, part, limits, where, max_bytes, video))
         else:
-            raise _bad(f"{where}: content type {kind!r} is not supported; use text, image_url or input_audio",
-                       f"{where}.type", code="unsupported_content_type")
+            raise _bad(f"{where}: content type {kind!r} is not supported; use text, image_url, input_audio or "
+                       "video_url", f"{where}.type", code="unsupported_content_type")
     return parts
 
 
-def parse_messages(messages: object, limits: Limits, max_bytes: int = 64 << 20) -> tuple:
+def parse_messages(messages: object, limits: Limits, max_bytes: int = 64 << 20,
+                   video: VideoDefaults = VideoDefaults()) -> tuple:
     if messages is None:
         raise _bad("missing required parameter 'messages'", "messages", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
@@ -255,7 +325,7 @@ def parse_messages(messages: object, limits: Limits, max_bytes: int = 64 << 20) 
                 raise _bad(f"{param}: earlier audio replies are not stored by this server; send the assistant "
                            "turn's transcript as its content", f"{param}.audio")
             raise _bad(f"{param}.content is missing", f"{param}.content")
-        out.append({"role": ROLES[role], "content": _content(role, content, limits, param, max_bytes)})
+        out.append({"role": ROLES[role], "content": _content(role, content, limits, param, max_bytes, video)})
     return tuple(out)
 
 
@@ -351,7 +421,7 @@ def parse_chat(data: dict, limits: Limits, *, max_bytes: int = 64 << 20,
     seed_value = data.get("seed")
     # Greedy decoding ignores the seed; with sampling and no seed, answers vary from call to call as on OpenAI.
     seed = random_seed() if seed_value is None else _int(seed_value, "seed", -(2**63), 2**63 - 1)
-    messages = parse_messages(data.get("messages"), limits, max_bytes)
+    messages = parse_messages(data.get("messages"), limits, max_bytes, video_defaults(data))
     return ChatRequest(
         messages=messages, model=model, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
         seed=seed, audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
