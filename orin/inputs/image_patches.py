@@ -133,7 +133,9 @@ class ImagePatcher:
         self.settings = settings
         self._tables: dict[str, torch.Tensor] = {}
 
-    def _table(self, device: torch.device) -> torch.Tensor:
+    def table(self, device: torch.device) -> torch.Tensor:
+        """[channels * 256] float32 on `device`: what each uint8 value of each channel becomes (kept per device;
+        the video side uses it too)."""
         key = str(device)
         if key not in self._tables:
             s = self.settings
@@ -158,7 +160,7 @@ class ImagePatcher:
     def __call__(self, images, device: str | torch.device | None = None) -> ImagePatches:
         s = self.settings
         device = torch.device(device or "cpu")
-        table = self._table(device)
+        table = self.table(device)
         patches, grids = [], []
         for image in images:
             rgb = self.resized(image)

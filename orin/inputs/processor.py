@@ -52,7 +52,7 @@ class Processor:
         self.template = template
         self.log_mel = log_mel
         self.patcher = patcher
-        self.video_patcher = VideoPatcher(patcher.settings)
+        self.video_patcher = VideoPatcher(patcher)
         self.position_id_per_seconds = position_id_per_seconds  # audio-in-video interleaving's time unit
         self.source = source  # where the feature extractor's and image processor's values came from
         added = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()}

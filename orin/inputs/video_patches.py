@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .image_patches import ImageSettings, value_table
+from .image_patches import ImagePatcher
 
 PATCHIFY_GRIDS = 16  # temporal grids patchified at once
 
@@ -43,17 +43,9 @@ class VideoPatches:
 class VideoPatcher:
     """The video side of one checkpoint's processor; `__call__` patchifies the videos of one prompt."""
 
-    def __init__(self, settings: ImageSettings):
-        self.settings = settings
-        self._tables: dict[str, torch.Tensor] = {}
-
-    def _table(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        if key not in self._tables:
-            s = self.settings
-            table = value_table(s.do_rescale, s.rescale_factor, s.do_normalize, s.image_mean, s.image_std)
-            self._tables[key] = torch.from_numpy(table.copy()).reshape(-1).to(device)
-        return self._tables[key]
+    def __init__(self, images: ImagePatcher):
+        self.images = images  # the image side's settings and value tables: a video's frames are normalised alike
+        self.settings = images.settings
 
     def grid(self, video) -> tuple[int, int, int]:
         """(t, h, w) patch grid of one video, checking that its frames tile."""
@@ -75,7 +67,7 @@ class VideoPatcher:
         halves a long clip's pixel values (120 s at 2 fps and 448²: 1.2 GB in float32) at no cost in accuracy."""
         s = self.settings
         device = torch.device(device or "cpu")
-        table = self._table(device).to(dtype)
+        table = self.images.table(device).to(dtype)
         grids, seconds = [], []
         for video in videos:
             grids.append(self.grid(video))
