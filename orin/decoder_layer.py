@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
 from .int4pack import int4_mm
@@ -171,8 +172,6 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
     """A prefill chunk's queries q [heads, T, hd] at positions prefix.. over the cache's first prefix + T keys,
     causally (lower-right aligned), one KV head's group of query heads at a time: its keys are expanded over the
     group, not copied for all heads (a 25k-token cache repeated over 32 heads is 400 MB)."""
-    from torch.nn.attention.bias import causal_lower_right
-
     heads, T, hd = q.shape
     kv = spec.kv_heads
     rep = heads // kv
