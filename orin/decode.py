@@ -193,12 +193,7 @@ class StaticDecoder:
         m = self.model
         x_all, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
         T = x_all.shape[0]
-        layers = []
-        for layer in m.layers:
-            spec, w = layer_weights(layer, self.device)
-            if spec.mlp != "dense":
-                w["experts_module"] = layer.mlp.experts
-            layers.append((spec, w))
+        layers = self._prefill_layers(inputs)
         states = {i: (x_all if i == 0 else torch.empty_like(x_all)) for i in record}
         hidden = None
         for s in range(0, T, chunk):
@@ -216,18 +211,26 @@ class StaticDecoder:
                 hidden = m.norm(x[-1:])
         return self.head(hidden), hidden.unsqueeze(0), states
 
+    def _prefill_layers(self, inputs: dict) -> list[tuple]:
+        """Each layer's spec and weights for a prefill: its experts module computes the MoE, skipping padding
+        rows where the prompt was padded to a bucket."""
+        layers = []
+        for layer in self.model.layers:
+            spec, w = layer_weights(layer, self.device)
+            if spec.mlp != "dense":
+                w["experts_module"] = layer.mlp.experts
+                if "valid" in inputs:
+                    w["valid_rows"] = inputs["valid"]
+            layers.append((spec, w))
+        return layers
+
     def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...], visual: tuple | None = None):
         m = self.model
         x = inputs["x"]
         pos = self.positions[:x.shape[0]]
         ds = inputs.get("ds")
         states = {0: x} if 0 in record else {}
-        for i, layer in enumerate(m.layers):
-            spec, w = layer_weights(layer, self.device)
-            if spec.mlp != "dense":
-                w["experts_module"] = layer.mlp.experts
-                if "valid" in inputs:
-                    w["valid_rows"] = inputs["valid"]
+        for i, (spec, w) in enumerate(self._prefill_layers(inputs)):
             x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec)
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed

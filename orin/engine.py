@@ -206,15 +206,13 @@ class Engine:
         return tuple(c for c in C.PIPELINE if c in need)
 
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings, vision_pass_patches
+        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings, vision_sizes
 
         n = prompt.length
         tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": prompt.n_video_tokens,
                   "prompt": n, "generated": req.max_new_tokens, "total": n + req.max_new_tokens,
                   "talker_frames": req.frame_cap if req.speech else 0,
-                  "vision_patches": vision_pass_patches(prompt.image_grids, prompt.video_grids),
-                  "vision_frame_patches": max((h * w for _, h, w in prompt.image_grids + prompt.video_grids),
-                                              default=0)}
+                  **vision_sizes(prompt.image_grids, prompt.video_grids)}
         kv = kv_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
         act = activation_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
         budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62

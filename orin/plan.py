@@ -238,10 +238,12 @@ def video_chunks(grids) -> list[tuple[int, int, int]]:
     return out
 
 
-def vision_pass_patches(image_grids, video_grids) -> int:
-    """The most patches one vision-encoder pass takes: the images go through together, a video in chunks."""
+def vision_sizes(image_grids, video_grids) -> dict:
+    """What sizes the vision encoder's working memory: the most patches one pass takes (the images go through
+    together, a video in chunks) and the largest frame's patches (attention stays within a frame)."""
     images = sum(t * h * w for t, h, w in image_grids)
-    return max([images] + [t * h * w for t, h, w in video_chunks(video_grids)])
+    return {"vision_patches": max([images] + [t * h * w for t, h, w in video_chunks(video_grids)]),
+            "vision_frame_patches": max((h * w for _, h, w in tuple(image_grids) + tuple(video_grids)), default=0)}
 
 
 def video_grid(req: Request, dims: dict) -> tuple[int, int, int] | None:
@@ -271,9 +273,7 @@ def request_tokens(req: Request, dims: dict) -> dict:
     prompt = aud + img + vid + req.prompt_text_tokens + (2 if videos and req.video_audio else 0)
     frames_out = frame_cap(req.text_tokens) if req.speech else 0
     return {"audio": aud, "image": img, "video": vid, "prompt": prompt, "generated": req.text_tokens,
-            "total": prompt + req.text_tokens, "talker_frames": frames_out,
-            "vision_patches": vision_pass_patches(images, videos),
-            "vision_frame_patches": max((h * w for _, h, w in images + videos), default=0)}
+            "total": prompt + req.text_tokens, "talker_frames": frames_out, **vision_sizes(images, videos)}
 
 
 def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
@@ -306,7 +306,7 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
         out["audio_encoder"] = conv + body
     if tokens["vision_patches"]:
         # attention within each frame: a pass's frames' scores, even where SDPA's math path materialises them
-        P, frame = tokens["vision_patches"], tokens.get("vision_frame_patches") or tokens["vision_patches"]
+        P, frame = tokens["vision_patches"], tokens["vision_frame_patches"]
         out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b
     # A long prompt goes through in chunks of C.LONG_PREFILL_TOKENS (orin.decode): a chunk's activations, its
     # attention over the cache so far one KV group at a time; the embeddings, the two hidden states the talker
@@ -315,7 +315,7 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     attn = (t["heads"] * Tc * Tc if T == Tc else 2 * (t["heads"] // t["kv_heads"]) * T * t["head_dim"]) * b
     moe = Tc * t["top_k"] * (3 * t["moe_intermediate"] + 2 * t["hidden"]) * b
     proj = Tc * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b + 2 * T * t["hidden"] * b
-    visual = (tokens["image"] + tokens.get("video", 0)) * t["hidden"] * b * t.get("deepstack", 3)
+    visual = (tokens["image"] + tokens["video"]) * t["hidden"] * b * t.get("deepstack", 3)
     out["thinker_text"] = attn + moe + proj + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:
         Tt = T + 9

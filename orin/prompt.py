@@ -13,7 +13,6 @@ class Prompt:
     input_ids: object  # [1, T]
     n_audio_tokens: int
     n_image_tokens: int
-    vision_patches: int  # the images' patches
     has_audio: bool
     has_image: bool
     # host copies of what shapes the encoders and positions (reading them from the device would cost a sync)
@@ -26,10 +25,6 @@ class Prompt:
     @property
     def has_video(self) -> bool:
         return bool(self.video_grids)
-
-    @property
-    def video_patches(self) -> int:
-        return sum(t * h * w for t, h, w in self.video_grids)
 
     @property
     def length(self) -> int:
@@ -51,7 +46,6 @@ def prepare_prompt(processor, thinker_config, messages, device, video_dtype=None
         inputs=dict(inputs), input_ids=ids,
         n_audio_tokens=int((ids == thinker_config.audio_token_id).sum()),
         n_image_tokens=int((ids == thinker_config.image_token_id).sum()),
-        vision_patches=int(inputs["pixel_values"].shape[0]) if "pixel_values" in inputs else 0,
         has_audio="input_features" in inputs, has_image="pixel_values" in inputs,
         audio_lengths=tuple(int(n) for n in fam.sum(dim=1).tolist()) if fam is not None else (),
         image_grids=tuple(tuple(int(v) for v in g) for g in grids.tolist()) if grids is not None else (),
