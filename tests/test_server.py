@@ -10,10 +10,13 @@ with a stand-in engine.
 from __future__ import annotations
 
 import base64
+import ctypes
+import gc
 import http.client
 import io
 import json
 import socket
+import sys
 import threading
 
 import numpy as np
@@ -270,12 +273,20 @@ def test_fifty_sequential_requests_do_not_grow_memory(server, engine):
         resp = client.chat.completions.create(model=engine.model_name, **requests[i % len(requests)])
         assert resp.usage.completion_tokens >= 1
 
+    def settled_rss() -> int:
+        # glibc keeps freed arenas mapped, so raw RSS wanders by tens of MiB with the order of frees (2.5 % was
+        # seen on a 2-core CI machine with no leak); returning them first leaves what is still alive.
+        gc.collect()
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).malloc_trim(0)
+        return process_rss_bytes()
+
     for i in range(len(requests)):  # warm-up: allocator pools, first-call caches
         run(i)
-    rss0, alloc0 = process_rss_bytes(), engine.memory()["allocated_bytes"]
+    rss0, alloc0 = settled_rss(), engine.memory()["allocated_bytes"]
     for i in range(50):
         run(i)
-    rss1, alloc1 = process_rss_bytes(), engine.memory()["allocated_bytes"]
+    rss1, alloc1 = settled_rss(), engine.memory()["allocated_bytes"]
     assert rss1 <= rss0 * 1.02, f"RSS grew from {rss0} to {rss1} bytes ({(rss1 / rss0 - 1) * 100:.2f} %)"
     assert alloc1 <= alloc0 * 1.02
     assert kit.metrics(server)['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 55
