@@ -66,12 +66,13 @@ $(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
 
 venv-compat: $(COMPAT_VENV)/.installed
 
-# systemd-analyze checks the rendered units in the tests (Debian/Ubuntu package `systemd`, >= 250).
+# systemd-analyze checks the rendered units in the tests (Debian/Ubuntu package `systemd`, >= 250); espeak-ng
+# speaks the real speech the voice tests (VAD, Realtime API, transcriptions) send.
 system-deps:
-	@command -v systemd-analyze >/dev/null 2>&1 || { \
-	  echo "installing systemd (for systemd-analyze)"; \
+	@command -v systemd-analyze >/dev/null 2>&1 && command -v espeak-ng >/dev/null 2>&1 || { \
+	  echo "installing systemd (for systemd-analyze) and espeak-ng (speech for the voice tests)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq systemd >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq systemd espeak-ng >/dev/null; }
 
 # The compat environment is built first: a failed download should not wait for the main suite.
 test: venv venv-compat system-deps
