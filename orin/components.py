@@ -59,9 +59,13 @@ TALKER_START_TOKENS = 1
 # the encoder attends within a temporal grid only, so a clip goes through a few grids at a time.
 VIDEO_ENCODE_PATCHES = 16384
 # Over this prompt length (a video's tens of thousands of tokens) the prefill runs eagerly, not from a CUDA
-# graph (whose pool would keep a one-off length's intermediates), and this many tokens at a time through all
-# layers (orin.decode): its working memory is a chunk's whatever the prompt's length.
+# graph (whose pool would keep a one-off length's intermediates), one layer at a time over the whole prompt,
+# its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few
+# whole-prompt hidden states, whatever the prompt's length.
 LONG_PREFILL_TOKENS = 4096
+# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): a chunk's
+# worth at the thinker's top-8.
+LONG_MOE_BLOCK_ROWS = 32768
 
 
 def component_of(param_name: str) -> str | None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import components as C
-from .decoder_layer import decoder_layer, layer_weights, supported
+from .decoder_layer import attention_block, decoder_layer, layer_weights, mlp_block_long, supported
 from .errors import ModelError
 from .graph_runner import GraphRunner
 
@@ -187,28 +187,37 @@ class StaticDecoder:
                    for layer in self.model.layers if hasattr(layer.mlp, "experts"))
 
     def _prefill_chunked(self, inputs: dict, record: tuple[int, ...], visual: tuple | None, chunk: int):
-        """A long prompt (a video's tens of thousands of tokens) `chunk` tokens at a time through all layers,
-        each chunk attending to the cache the chunks before it wrote: the working memory is a chunk's, whatever
-        the prompt's length; only the recorded hidden states the talker reads are kept whole."""
+        """A long prompt (a video's tens of thousands of tokens) one layer at a time over the whole prompt: the
+        attention `chunk` queries at a time, each chunk over the keys the chunks before it wrote (the working
+        memory is a chunk's); the MLP over every row at once, so each layer's INT4 experts are dequantized once
+        (decoder_layer.mlp_block_long), where a chunk-major order dequantized them once per chunk. Besides a
+        chunk's or an expert piece's working memory, two whole-prompt hidden states live at once (the layer's
+        input, overwritten by its output, and the MLP's normed input) plus the recorded ones the talker reads.
+        `visual`'s deepstack levels (a list) are consumed: each is dropped once added."""
         m = self.model
-        x_all, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
-        T = x_all.shape[0]
+        x, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
+        T = x.shape[0]
         layers = self._prefill_layers(inputs)
-        states = {i: (x_all if i == 0 else torch.empty_like(x_all)) for i in record}
-        hidden = None
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            x = x_all[s:e]
-            for i, (spec, w) in enumerate(layers):
-                x = decoder_layer(x, cos[s:e], sin[s:e], None, self.positions[s:e], self.k_cache[i],
-                                  self.v_cache[i], w, spec, prefix=s)
-                if i + 1 in record:
-                    states[i + 1][s:e] = m.norm(x) if i + 1 == len(layers) else x
-                if visual is not None and i < len(visual[1]):
-                    here = (visual[0] >= s) & (visual[0] < e)
-                    x = x.index_add(0, visual[0][here] - s, visual[1][i][here].to(x.dtype))
-            if e == T:
-                hidden = m.norm(x[-1:])
+        states = {0: x} if 0 in record else {}
+        owned = False  # whether x is this loop's to overwrite: not the embeddings, not a recorded state
+        for i, (spec, w) in enumerate(layers):
+            if not owned:
+                x, owned = x.clone(), True
+            # in place, chunk by chunk: a later chunk reads only its own rows of x, the earlier ones' keys and
+            # values being in the cache already
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                x[s:e] = attention_block(x[s:e], cos[s:e], sin[s:e], None, self.positions[s:e], self.k_cache[i],
+                                         self.v_cache[i], w, spec, prefix=s)
+            x = mlp_block_long(x, w, spec, chunk)
+            if i + 1 in record:
+                states[i + 1] = m.norm(x) if i + 1 == len(layers) else x
+                owned = i + 1 == len(layers)
+            if visual is not None and i < len(visual[1]):
+                feat = visual[1][i].to(x.dtype)
+                x, owned = (x.index_add_(0, visual[0], feat) if owned else x.index_add(0, visual[0], feat)), True
+                visual[1][i] = feat = None  # consumed: a long video's deepstack level is a hundred MB
+        hidden = m.norm(x[-1:])
         return self.head(hidden), hidden.unsqueeze(0), states
 
     def _prefill_layers(self, inputs: dict) -> list[tuple]:

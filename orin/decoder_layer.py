@@ -170,12 +170,20 @@ def _moe(h, spec: LayerSpec, w: dict):
 
 def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
     """A prefill chunk's queries q [heads, T, hd] at positions prefix.. over the cache's first prefix + T keys,
-    causally (lower-right aligned), one KV head's group of query heads at a time: its keys are expanded over the
-    group, not copied for all heads (a 25k-token cache repeated over 32 heads is 400 MB)."""
+    causally (lower-right aligned): on flash where it runs here (its causal mask is lower-right for a chunk
+    shorter than its keys, and it reads grouped KV heads in place), else SDPA with the lower-right bias, one KV
+    head's group of query heads at a time (its keys expanded over the group, not copied for all heads: a 25k-token
+    cache repeated over 32 heads is 400 MB), which SDPA runs on its memory-efficient kernel at half flash's speed."""
     heads, T, hd = q.shape
+    L = prefix + T
+    if _flash_lower_right(q):
+        k = k_cache[:, :, :L].transpose(1, 2)
+        v = v_cache[:, :, :L].transpose(1, 2)
+        out = torch.ops.aten._flash_attention_forward(q.transpose(0, 1).unsqueeze(0), k, v, None, None, T, L, 0.0,
+                                                      True, False, scale=spec.scaling)[0]
+        return out.reshape(T, heads * hd)
     kv = spec.kv_heads
     rep = heads // kv
-    L = prefix + T
     bias = causal_lower_right(T, L)
     out = q.new_empty((T, heads * hd))
     for g in range(kv):
@@ -187,12 +195,47 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
     return out
 
 
+_FLASH: dict = {}
+
+
+def _flash_lower_right(q: torch.Tensor) -> bool:
+    """Whether aten's flash kernel runs here and masks a chunk lower-right: checked once per device and dtype
+    against SDPA with the lower-right bias on a small problem (a build without flash for this GPU, or one whose
+    causal alignment differed, keeps the SDPA path)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+        return False
+    key = (q.device.index, q.dtype, q.shape[-1])
+    if key not in _FLASH:
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        T, L, heads, kv, hd = 48, 160, 4, 2, q.shape[-1]
+        qs = torch.randn((heads, T, hd), generator=gen, device=q.device, dtype=q.dtype)
+        ks = torch.randn((1, kv, L, hd), generator=gen, device=q.device, dtype=q.dtype)
+        vs = torch.randn((1, kv, L, hd), generator=gen, device=q.device, dtype=q.dtype)
+        try:
+            got = torch.ops.aten._flash_attention_forward(qs.transpose(0, 1).unsqueeze(0), ks.transpose(1, 2),
+                                                          vs.transpose(1, 2), None, None, T, L, 0.0, True, False,
+                                                          scale=hd ** -0.5)[0][0].transpose(0, 1)
+            want = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.repeat_interleave(heads // kv, 1),
+                                                  vs.repeat_interleave(heads // kv, 1),
+                                                  attn_mask=causal_lower_right(T, L), scale=hd ** -0.5)[0]
+            _FLASH[key] = bool((got.float() - want.float()).abs().max() < 2e-2)
+        except (RuntimeError, NotImplementedError) as exc:
+            log.info("flash attention unavailable for prefill chunks (%s); using SDPA", exc)
+            _FLASH[key] = False
+    return _FLASH[key]
+
+
 def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):
     """One decoder layer for T positions. x [T, H]; cos/sin [T, head_dim]; pos [T] cache positions; mask
     [1, 1, rep*T, max_len] (row r*T+t: position t's query for head r of a group), or None for a prefill: from
     position 0 (`prefix` 0: causal over the T new keys, the cache's older contents unread), or a later chunk of
     one (`prefix` > 0: the T new keys after the prefix's, already in the cache); the caches are updated in
     place. Returns the layer's output [T, H]."""
+    return mlp_block(attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w, spec, prefix), w, spec)
+
+
+def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):
+    """The layer's first half (decoder_layer's arguments): x plus its attention's output."""
     T = x.shape[0]
     hd, kv = spec.head_dim, spec.kv_heads
     rep = spec.heads // kv
@@ -213,12 +256,39 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
         qg = q.reshape(1, kv, rep * T, hd)
         att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)
         att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
-    x = x + _linear(att, spec.o, w["o"])
+    return x + _linear(att, spec.o, w["o"])
+
+
+def mlp_block(x, w: dict, spec: LayerSpec):
+    """The layer's second half: x plus its MLP's (dense, or routed experts and a shared one) output."""
     h = _rms(x, w["ln2"], spec.eps)
     if spec.mlp == "dense":
         g, u, d = spec.dense
         return x + _linear(F.silu(_linear(h, g, w["gate"])) * _linear(h, u, w["up"]), d, w["down"])
     return x + _moe(h, spec, w)
+
+
+def mlp_block_long(x, w: dict, spec: LayerSpec, chunk: int):
+    """mlp_block over a whole long prompt, adding into x (the caller's own tensor) in place: the router and the
+    experts see every row at once, so each expert's INT4 weights are dequantized once per layer
+    (Int4Experts.add_long), not once per chunk of rows; a dense MLP and the shared expert go `chunk` rows at a
+    time."""
+    T = x.shape[0]
+    if spec.mlp == "dense" or not hasattr(w.get("experts_module"), "add_long"):
+        for s in range(0, T, chunk):
+            x[s:s + chunk] = mlp_block(x[s:s + chunk], w, spec)
+        return x
+    h = _rms(x, w["ln2"], spec.eps)
+    top_w, top_i = _route(h, spec, w)
+    if spec.mlp == "moe+shared":
+        g, u, d = spec.dense
+        for s in range(0, T, chunk):
+            hs = h[s:s + chunk]
+            shared = _linear(F.silu(_linear(hs, g, w["shared_gate"])) * _linear(hs, u, w["shared_up"]), d,
+                             w["shared_down"])
+            x[s:s + chunk] += torch.sigmoid(F.linear(hs, w["shared_expert_gate"])) * shared
+    w["experts_module"].add_long(h, top_i, top_w, x)
+    return x
 
 
 # ---------------------------------------------------------------------- reading the HF modules

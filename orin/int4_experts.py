@@ -18,12 +18,14 @@ names one (``forward(..., route=...)``; a check compares them that way):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import components as C
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
 from .int4pack import KernelWeight, check_device, dequantize_packed, grouped_gemm, int4_mm, to_kernel
@@ -364,6 +366,53 @@ class Int4Experts(nn.Module):
         weights = top_k_weights.reshape(-1)[order]
         return self._combine(final, out, weights, token)
 
+    @torch.no_grad()
+    def add_long(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 into: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
+        """``into += forward(hidden_states, top_k_index, top_k_weights)`` for a long prompt's rows (thousands of
+        tokens): experts dequantized whole, a piece of at most PREFILL_DEQUANT_CHUNK bytes at a time and each
+        once, their rows through BF16 grouped GEMMs in blocks of at most `max_rows` (the gathered rows' memory
+        stays a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest
+        route: per layer one dequantization of every expert (1.6 ms on an H200) and GEMMs at the BF16 rate,
+        against the fused INT4 kernel's 18 ms (BENCHMARKS.md); one host sync a layer for the row counts."""
+        check_device(self.down_packed, self.layout, "Int4Experts")
+        T, k = top_k_index.shape
+        E = self.num_experts
+        max_rows = max_rows or C.LONG_MOE_BLOCK_ROWS
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
+        counts = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E].tolist()  # the one host sync
+        token = order // k
+        weights = top_k_weights.reshape(-1)[order]
+        gu_group, dn_group = self._geom["gate_up"][0], self._geom["down"][0]
+        per_expert = (self.gate_up_scales_and_zeros.shape[-2] * self._geom["gate_up"][1]
+                      + self.down_scales_and_zeros.shape[-2] * self._geom["down"][1]) * into.element_size()
+        per = max(1, PREFILL_DEQUANT_CHUNK // per_expert)
+        start = 0
+        for e0 in range(0, E, per):
+            e1 = min(E, e0 + per)
+            if not sum(counts[e0:e1]):
+                continue
+            w_gu = dequantize_packed(self.gate_up_packed[e0:e1], self.gate_up_scales_and_zeros[e0:e1], gu_group)
+            w_dn = dequantize_packed(self.down_packed[e0:e1], self.down_scales_and_zeros[e0:e1], dn_group)
+            for lo, block in _row_blocks(counts[e0:e1], max_rows):
+                rows = sum(block)
+                sl = slice(start, start + rows)
+                ends = torch.tensor(list(itertools.accumulate(block)), device=into.device)
+                # each intermediate dropped as soon as the next exists: a block's peak is its rows times
+                # (K + 2I), not the sum of every intermediate
+                gate_up = grouped_matmul(self._rows(hidden_states, token[sl]), w_gu[lo:lo + len(block)], block, ends)
+                act = self._act(gate_up)
+                del gate_up
+                out = grouped_matmul(act, w_dn[lo:lo + len(block)], block, ends)
+                del act
+                out = out[:, :self.hidden_dim].to(into.dtype).mul_(weights[sl, None].to(into.dtype))
+                into.index_add_(0, token[sl], out)
+                del out
+                start += rows
+            del w_gu, w_dn
+        return into
+
     def _forward_triton(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """One Triton launch per projection over all experts, group boundaries on the device (no host sync, so
         the host queues the next layers while this one runs)."""
@@ -451,6 +500,29 @@ class Int4Experts(nn.Module):
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
             f"group_size={self.group_size}, loaded={self.is_loaded}, layout={self.layout}"
         )
+
+
+def _row_blocks(counts: list[int], max_rows: int):
+    """Blocks of at most `max_rows` rows over consecutive experts' rows, in order: (first expert, row counts of
+    that expert and the ones after it). An expert whose rows overflow a block continues at the next one's start."""
+    block, lo, room = [], 0, max_rows
+    for e, c in enumerate(counts):
+        if not c:
+            if block:
+                block.append(0)  # keeps the block's experts consecutive
+            continue
+        while c:
+            if not block:
+                lo = e
+            take = min(c, room)
+            block.append(take)
+            c -= take
+            room -= take
+            if not room:
+                yield lo, block
+                block, room = [], max_rows
+    if block:
+        yield lo, block
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], ends: torch.Tensor,

@@ -308,13 +308,19 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
         # attention within each frame: a pass's frames' scores, even where SDPA's math path materialises them
         P, frame = tokens["vision_patches"], tokens["vision_frame_patches"]
         out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b
-    # A long prompt goes through in chunks of C.LONG_PREFILL_TOKENS (orin.decode): a chunk's activations, its
-    # attention over the cache so far one KV group at a time; the embeddings, the two hidden states the talker
-    # reads and the visual tokens' deepstack features are whole-prompt.
+    # A long prompt goes one layer at a time (orin.decode): its attention in chunks of C.LONG_PREFILL_TOKENS over
+    # the cache so far (one KV group at a time where flash does not run), its MoE over every row in blocks of
+    # C.LONG_MOE_BLOCK_ROWS; three hidden states (a layer's input, its output, the MLP's normed input) and the
+    # router's scores are whole-prompt, as are the embeddings, the two hidden states the talker reads and the
+    # visual tokens' deepstack features.
     Tc = min(T, C.LONG_PREFILL_TOKENS)
     attn = (t["heads"] * Tc * Tc if T == Tc else 2 * (t["heads"] // t["kv_heads"]) * T * t["head_dim"]) * b
-    moe = Tc * t["top_k"] * (3 * t["moe_intermediate"] + 2 * t["hidden"]) * b
     proj = Tc * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b + 2 * T * t["hidden"] * b
+    if T == Tc:
+        moe = Tc * t["top_k"] * (3 * t["moe_intermediate"] + 2 * t["hidden"]) * b
+    else:  # a block's gathered rows beside gate/up (its largest pair of intermediates); the router's scores
+        moe = C.LONG_MOE_BLOCK_ROWS * (t["hidden"] + 2 * t["moe_intermediate"]) * b
+        proj += T * t["experts"] * 4
     visual = (tokens["image"] + tokens["video"]) * t["hidden"] * b * t.get("deepstack", 3)
     out["thinker_text"] = attn + moe + proj + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:

@@ -164,6 +164,46 @@ def test_prefill_moe_routes_match_tinygemm_per_expert(cuda_engine, route):
     assert _rel(got, ref) < MOE_ROUTE_TOL
 
 
+def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine):
+    """A long prompt's MoE (add_long: experts dequantized once, BF16 grouped GEMMs in row blocks) against tinygemm
+    expert by expert, with blocks small enough that experts' rows split across them."""
+    import torch
+
+    layer = _moe_layer(cuda_engine)
+    experts = layer.mlp.experts
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.inference_mode():
+        h = torch.randn((PREFILL_ROWS, experts.hidden_dim), generator=gen, device="cuda").to(torch.bfloat16)
+        w, idx = layer.mlp.gate(h)
+        ref = experts(h, idx, w, route="tinygemm")
+        got = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
+    assert _rel(got, ref) < MOE_ROUTE_TOL
+
+
+def test_prefill_chunk_attention_on_flash_matches_the_lower_right_bias(monkeypatch):
+    """A long prompt's chunk attends to the cache before it and itself, lower-right causal: on flash (checked at
+    first use against SDPA's bias; it must pass on an sm80+ GPU) as on the SDPA path, grouped KV heads in place."""
+    import torch
+
+    import orin.decoder_layer as dl
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    heads, kv, hd, T, prefix = 32, 4, 128, 300, 700
+    q = torch.randn((heads, T, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    k_cache = torch.randn((1, kv, 1200, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    v_cache = torch.randn((1, kv, 1200, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    spec = dl.LayerSpec(hidden=heads * hd, heads=heads, kv_heads=kv, head_dim=hd, eps=1e-6, qk_eps=1e-6,
+                        scaling=hd ** -0.5, q=None, k=None, v=None, o=None, mlp="moe")
+    with torch.inference_mode():
+        assert dl._flash_lower_right(q)
+        got = dl._attend_after(q, k_cache, v_cache, prefix, spec)
+        monkeypatch.setattr(dl, "_flash_lower_right", lambda q: False)
+        want = dl._attend_after(q, k_cache, v_cache, prefix, spec)
+    assert _rel(got, want) < 1e-2
+
+
 def test_dense_projection_matches_tinygemm(cuda_engine):
     import torch
 

@@ -504,6 +504,27 @@ def test_int4_experts_skip_sentinel_index_and_accept_per_expert_lists():
     assert experts(x[:0], idx[:0], w[:0]).shape == (0, H)
 
 
+@pytest.mark.parametrize("max_rows", [5, 16, 32768])
+def test_int4_experts_long_prompt_route_adds_the_same_output(max_rows, monkeypatch):
+    """add_long (a long prompt's MoE: experts dequantized a piece at a time, rows in bounded blocks, an expert's
+    rows split across blocks) adds what forward computes, skipped indices included."""
+    import orin.int4_experts as int4_experts
+
+    gen = _gen(25)
+    flat = _expert_checkpoint(gen)
+    experts = Int4Experts.from_gptq(flat, num_experts=E, hidden_dim=H, intermediate_dim=INTER, act_fn=nn.SiLU(),
+                                    device="cpu", dtype=torch.float32)
+    one = 4 * (experts.gate_up_scales_and_zeros.shape[-2] * experts._geom["gate_up"][1]
+               + experts.down_scales_and_zeros.shape[-2] * experts._geom["down"][1])
+    monkeypatch.setattr(int4_experts, "PREFILL_DEQUANT_CHUNK", 3 * one)  # pieces of 3 experts
+    x = torch.randn(23, H, generator=gen)
+    idx, w = _routing(23, gen)
+    idx[::4, 0] = E
+    base = torch.randn(23, H, generator=gen)
+    got = experts.add_long(x, idx, w, base.clone(), max_rows=max_rows)
+    assert _rel(got, base + experts(x, idx, w)) <= 1e-5
+
+
 def test_int4_modules_follow_a_model_dtype_change():
     # model.to(dtype) converts the scales_and_zeros buffers; the modules must compute in the new dtype afterwards.
     gen = _gen(24)
