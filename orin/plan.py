@@ -292,6 +292,25 @@ def _dequant_bytes(d: dict, b: int) -> int:
     return one * max(1, min(d["experts"], PREFILL_DEQUANT_CHUNK // one))
 
 
+def _prefill_bytes(T: int, d: dict, b: int) -> int:
+    """A decoder's (thinker's or talker's) prefill working memory for T tokens, as orin.decode runs it: up to
+    C.LONG_PREFILL_TOKENS in one pass (its attention's scores, where SDPA's math path materialises them); a longer
+    prompt one layer at a time, its attention in chunks over the cache (one KV group's keys expanded at a time
+    where flash does not run), its MoE over every row in blocks of C.LONG_MOE_BLOCK_ROWS (a block's gathered
+    rows beside gate/up, its largest pair of intermediates), the router's scores and two hidden states
+    whole-prompt (the layer's input, overwritten by its output, and the MLP's normed input)."""
+    Tc = min(T, C.LONG_PREFILL_TOKENS)
+    attn = (d["heads"] * Tc * Tc if T == Tc else 2 * (d["heads"] // d["kv_heads"]) * T * d["head_dim"]) * b
+    proj = Tc * (4 * d["hidden"] + (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]) * b + 2 * T * d["hidden"] * b
+    shared = Tc * 3 * d.get("shared_intermediate", 0) * b
+    if T == Tc:
+        moe = Tc * d["top_k"] * (3 * d["moe_intermediate"] + 2 * d["hidden"]) * b
+    else:
+        moe = C.LONG_MOE_BLOCK_ROWS * (d["hidden"] + 2 * d["moe_intermediate"]) * b
+        proj += T * d["experts"] * 4
+    return attn + proj + moe + shared
+
+
 def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     """Transient working memory per stage (bytes), upper estimates of the largest live intermediates."""
     b = dtype_bytes
@@ -308,25 +327,10 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
         # attention within each frame: a pass's frames' scores, even where SDPA's math path materialises them
         P, frame = tokens["vision_patches"], tokens["vision_frame_patches"]
         out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b
-    # A long prompt goes one layer at a time (orin.decode): its attention in chunks of C.LONG_PREFILL_TOKENS over
-    # the cache so far (one KV group at a time where flash does not run), its MoE over every row in blocks of
-    # C.LONG_MOE_BLOCK_ROWS; three hidden states (a layer's input, its output, the MLP's normed input) and the
-    # router's scores are whole-prompt, as are the embeddings, the two hidden states the talker reads and the
-    # visual tokens' deepstack features.
-    Tc = min(T, C.LONG_PREFILL_TOKENS)
-    attn = (t["heads"] * Tc * Tc if T == Tc else 2 * (t["heads"] // t["kv_heads"]) * T * t["head_dim"]) * b
-    proj = Tc * (4 * t["hidden"] + (t["heads"] + 2 * t["kv_heads"]) * t["head_dim"]) * b + 2 * T * t["hidden"] * b
-    if T == Tc:
-        moe = Tc * t["top_k"] * (3 * t["moe_intermediate"] + 2 * t["hidden"]) * b
-    else:  # a block's gathered rows beside gate/up (its largest pair of intermediates); the router's scores
-        moe = C.LONG_MOE_BLOCK_ROWS * (t["hidden"] + 2 * t["moe_intermediate"]) * b
-        proj += T * t["experts"] * 4
     visual = (tokens["image"] + tokens["video"]) * t["hidden"] * b * t.get("deepstack", 3)
-    out["thinker_text"] = attn + moe + proj + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
+    out["thinker_text"] = _prefill_bytes(T, t, b) + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:
-        Tt = T + 9
-        out["talker"] = (k["heads"] * Tt * Tt * b + Tt * k["top_k"] * 3 * k["moe_intermediate"] * b
-                         + Tt * 4 * k["hidden"] * b + k["vocab"] * 4 + _dequant_bytes(k, b))
+        out["talker"] = _prefill_bytes(T + 9, k, b) + k["vocab"] * 4 + _dequant_bytes(k, b)
         c = dims["code2wav"]
         length = (C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT) * math.prod(c["upsampling_ratios"])
         peak = length * c["hidden"] * 4 * b

@@ -88,6 +88,17 @@ def test_verdicts_change_with_budget(real_config):
     assert text_only["request"]["needed"] == ["thinker_text"]
 
 
+def test_the_products_video_case_is_sized_as_the_long_prefill_runs_it(real_config):
+    """120 s at 2 fps with its soundtrack, one image, speech: 25k prompt tokens that the thinker and the talker
+    prefill one layer at a time (orin.decode), so neither decoder's working memory grows with the square of the
+    prompt (the talker's was once sized at 19.5 GiB of attention scores it never makes)."""
+    result = make_plan(PlanConfig(model=real_config, audio_seconds=0, video_seconds=120, video_fps=2)).to_json()
+    req = result["request"]
+    assert req["tokens"]["prompt"] > 25_000
+    act = req["activation_by_component"]
+    assert act["talker"] < 2**30 and act["thinker_text"] < 2 * 2**30
+
+
 def test_tiny_model_plan(tiny_model_dir):
     cfg = json.load(open(f"{tiny_model_dir}/config.json"))
     result = make_plan(PlanConfig(model=tiny_model_dir, audio_seconds=3, budget=64 * 2**20)).to_json()

@@ -11,6 +11,7 @@ prefill's shapes) and one measured request."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -170,6 +171,33 @@ def prompt_counts(prompt) -> dict:
             "video_grids": [list(g) for g in prompt.video_grids]}
 
 
+@contextlib.contextmanager
+def phase_peaks(device):
+    """{timeline mark: the allocator's peak since the mark before it} over the block (CUDA; empty elsewhere):
+    which phase of a request sets its peak. The engine's RequestState.mark is wrapped for the block's length."""
+    import torch
+
+    from ..request_state import RequestState
+
+    peaks: dict[str, int] = {}
+    if device.type != "cuda":
+        yield peaks
+        return
+    mark = RequestState.mark
+
+    def marked(state, name: str) -> None:
+        peaks.setdefault(name, torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        mark(state, name)
+
+    RequestState.mark = marked
+    try:
+        yield peaks
+    finally:
+        RequestState.mark = mark
+        peaks["end"] = torch.cuda.max_memory_allocated(device)  # after the last mark
+
+
 def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) -> dict:
     """One video case on an all-resident engine: a warm-up cancelled after its first audio packet (the prompt's
     shapes, new to the engine), then the measured request. Peak: the allocator's, reset before the request."""
@@ -183,10 +211,12 @@ def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) 
     free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
-    report = stream_request(engine, bench_request(cfg, case.inputs)).report
+    with phase_peaks(engine.device) as peaks:
+        report = stream_request(engine, bench_request(cfg, case.inputs)).report
     summary = summarize_engine(report, f"orin-omni INT4 all-resident ({name})")
+    summary["phase_peak_bytes"] = peaks
     if cuda:  # the allocator's own peak over the whole request (the loader samples it at its checkpoints)
-        summary["peak_bytes"] = max(summary["peak_bytes"] or 0, torch.cuda.max_memory_allocated(engine.device))
+        summary["peak_bytes"] = max(summary["peak_bytes"] or 0, *peaks.values())
     summary.update(counts)
     summary.update(video_phases(summary["timeline_s"]))
     summary["warmup_s"] = warm_s
@@ -213,8 +243,8 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
     """Per torch.compile setting, an engine with every component loaded, its warm-up and measured requests;
     `record(key, value)` is called as each figure is ready ("all_resident": the first load; "run:orin_NAME": a
     run; "error:orin_NAME": a setting that failed, the next one still runs; "kernel_timings", "profile";
-    "video:CASE": a video case on the first setting's engine). With cfg.video_only, only the first setting's
-    engine runs, and only the video cases."""
+    "video:CASE": a video case on the first setting's engine; "realtime": the Realtime API case on it). With
+    cfg.video_only, only the first setting's engine runs, and only those extra cases."""
     loaded: dict = {}
     kernels: dict = {}
     for i, compile in enumerate(cfg.compile[:1] if cfg.video_only else cfg.compile):
@@ -239,6 +269,12 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
                     free(cfg.device)
                     record(f"video:{case.name}", _attempt(case.name, lambda e=engine, c=case, n=name: measure_video(
                         e, cfg, c, n, log_fn)))
+                if cfg.realtime_question:
+                    from .bench_realtime import measure_realtime
+
+                    free(cfg.device)
+                    record("realtime", _attempt("realtime", lambda e=engine: measure_realtime(
+                        e, model_dir, cfg.realtime_question, log_fn)))
         except Exception as exc:  # noqa: BLE001 - the other settings' figures still count
             log.exception("all-resident run %s failed", name)
             record(f"error:orin_{name}", f"{type(exc).__name__}: {exc}"[:1000])
