@@ -63,9 +63,10 @@ VIDEO_ENCODE_PATCHES = 16384
 # its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few
 # whole-prompt hidden states, whatever the prompt's length.
 LONG_PREFILL_TOKENS = 4096
-# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): a chunk's
-# worth at the thinker's top-8.
-LONG_MOE_BLOCK_ROWS = 32768
+# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
+# worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
+# twice as many (each expert still gets a hundred rows or more).
+LONG_MOE_BLOCK_ROWS = 16384
 
 
 def component_of(param_name: str) -> str | None:

@@ -37,7 +37,7 @@ AUDIO_FRAMES_PER_SECOND = 100  # Whisper features: 10 ms hop at 16 kHz
 RUNTIME_MARGIN = 768 << 20
 # Most bytes of INT4 expert weights the prefill holds dequantized at once where it cannot run the Triton grouped
 # GEMM (orin.int4: dequantized chunks of experts and torch._grouped_mm); reserved either way.
-PREFILL_DEQUANT_CHUNK = 128 << 20
+PREFILL_DEQUANT_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
