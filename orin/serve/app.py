@@ -67,6 +67,14 @@ class ServeConfig:
     max_connections: int = 64
     served_model_name: str | None = None  # None: the name recorded in the checkpoint's manifest
     packed_cache: str | None = None  # orin.packed_cache's directory (None: convert INT4 layers on every load)
+    # The Realtime API (orin.serve.realtime): sessions open at once; what a session beyond them, or a response
+    # while the GPU is busy, gets ("wait": it waits; "error": an error event); the caps on one session
+    realtime_max_sessions: int = 4
+    realtime_busy: str = "wait"
+    realtime_max_session_s: float = 3600.0
+    realtime_max_buffer_s: float = 120.0
+    realtime_max_message_bytes: int = 16 * MiB
+    realtime_context_tokens: int | None = None  # None: the model's context length
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -101,6 +109,8 @@ class Server:
         self.notifier = notifier or Notifier()
         if cfg.served_model_name is not None:
             check_served_name(cfg.served_model_name)
+        if cfg.realtime_busy not in ("wait", "error"):
+            raise UsageError(f"--realtime-busy {cfg.realtime_busy!r}: use wait or error")
         self.api_keys = read_api_keys(cfg.api_key_file) if cfg.api_key_file else ()
         self.limits = Limits(max_audio_seconds=cfg.max_audio_seconds, max_image_pixels=cfg.max_image_pixels,
                              max_new_tokens=cfg.max_new_tokens, allow_dir=cfg.allow_dir,
@@ -153,6 +163,14 @@ class Server:
         cfg = self.cfg
         self._listener = Listener(self.app, sock, metrics=self.metrics, keep_alive_s=cfg.io_timeout_s,
                                   max_connections=cfg.max_connections, grace_s=cfg.drain_s + 35.0)
+        # WebSocket frames (the Realtime API): a message over --realtime-max-message gets an error event from the
+        # session; the protocol layer drops the connection (1009) only past twice that, before reading it all.
+        # No per-message deflate: base64 audio hardly compresses, and the CPU is the model's. Pings every 20 s
+        # find a client that vanished without closing.
+        ws = self._listener.server.config
+        ws.ws_max_size = 2 * cfg.realtime_max_message_bytes
+        ws.ws_per_message_deflate = False
+        ws.ws_ping_interval, ws.ws_ping_timeout = 20.0, 20.0
         self._listener.start()
         log.info("listening on %s", self.url)
 

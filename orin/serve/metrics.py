@@ -21,6 +21,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+INTERRUPT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def escape_label(value: object) -> str:
@@ -104,6 +105,9 @@ class Metrics:
         self.joules: dict[str, float] = {}
         self.stage_joules: dict[str, float] = {}
         self.last_power: dict[str, tuple[float | None, float | None]] = {}
+        self.realtime_open = 0
+        self.realtime_responses: dict[str, int] = {}
+        self.interrupt = Histogram(INTERRUPT_BUCKETS)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -117,6 +121,18 @@ class Metrics:
     def connection(self) -> None:
         with self._lock:
             self.connections += 1
+
+    def realtime_session(self, delta: int) -> None:
+        with self._lock:
+            self.realtime_open += delta
+
+    def realtime_response(self, status: str, interrupt_to_stop_s: float | None = None) -> None:
+        """One Realtime response's end: its status, and for an interrupted one (barge-in, response.cancel) the
+        seconds from the cancel to the engine's stop."""
+        with self._lock:
+            self.realtime_responses[status] = self.realtime_responses.get(status, 0) + 1
+            if interrupt_to_stop_s is not None:
+                self.interrupt.observe(interrupt_to_stop_s)
 
     def generation(self, report: Report, seconds: float) -> None:
         """Record one finished (or cancelled) generation from its engine report."""
@@ -172,6 +188,13 @@ class Metrics:
             lines += family("orin_requests_in_flight", "gauge", "Generations running on the GPU (0 or 1).",
                             [({}, in_flight)])
             lines += family("orin_queue_depth", "gauge", "Requests waiting for the GPU.", [({}, queued)])
+            lines += family("orin_realtime_sessions", "gauge", "Realtime API sessions open.",
+                            [({}, self.realtime_open)])
+            lines += family("orin_realtime_responses_total", "counter", "Realtime API responses by final status.",
+                            [({"status": s}, n) for s, n in sorted(self.realtime_responses.items())])
+            lines += self.interrupt.lines("orin_realtime_interrupt_seconds",
+                                          "Realtime barge-in or response.cancel: from the cancel to the engine's "
+                                          "stop.")
             lines += self.ttft.lines("orin_ttft_seconds", "Time to first text token.")
             lines += self.first_audio.lines("orin_first_audio_seconds", "Time to the first audio chunk.")
             lines += self.duration.lines("orin_generation_seconds", "Wall time of a generation on the GPU.")

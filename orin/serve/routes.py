@@ -29,6 +29,18 @@ from starlette.routing import Route
 
 from .. import __version__
 from ..errors import OrinError
+from .audio_api import (
+    SpeechResponse,
+    TranscriptionResponse,
+    check_multipart,
+    encodable_formats,
+    parse_speech,
+    parse_transcription,
+    read_form,
+    speech_request,
+    transcription_request,
+    voices,
+)
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import (
     ApiError,
@@ -40,11 +52,13 @@ from .protocol import (
     parse_json,
     to_api_error,
 )
+from .realtime import realtime_route
 from .streaming import CLIENT_CLOSED, STATUS_KEY, ChatResponse
 
 log = logging.getLogger("orin.serve.app")  # one logger for the server's lines, whichever module writes them
 # Label values for /metrics: anything else is "other", so scanners cannot blow up the label set.
-ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/audio/transcriptions", "/v1/audio/speech", "/v1/realtime", "/v1/models",
+             "/health", "/metrics")
 PROBE_ENDPOINTS = ("/health", "/metrics")
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")  # others are 501, as the HTTP/1.1 spec has it
 SERVER = f"orin-omni/{__version__}".encode()
@@ -147,9 +161,7 @@ class _Api:
         except ClientDisconnect:
             return _no_response
         data = await run_in_threadpool(parse_json, body)
-        if srv.state != "ready":
-            raise ApiError(503, f"the server is {srv.state}; retry shortly", type="server_error",
-                           code="not_ready", headers={"Retry-After": "5"})
+        self.require_ready()
         model = data.get("model")
         if isinstance(model, str):
             check_model(model, srv.model_name)
@@ -158,13 +170,52 @@ class _Api:
         return ChatResponse(srv.worker, req, generation_request(req, srv.cfg.max_speech_seconds), srv.model_name,
                             srv.cfg.io_timeout_s)
 
+    def require_ready(self) -> None:
+        if self.server.state != "ready":
+            raise ApiError(503, f"the server is {self.server.state}; retry shortly", type="server_error",
+                           code="not_ready", headers={"Retry-After": "5"})
+
+    async def transcriptions(self, request: Request):
+        self.require_auth(request)
+        srv = self.server
+        check_multipart(request.headers.get("content-type"))
+        try:
+            body = await read_body(request, srv.cfg.max_body_bytes, srv.cfg.io_timeout_s)
+        except ClientDisconnect:
+            return _no_response
+        form = await read_form(request.headers, body)
+        self.require_ready()
+        model = form.get("model")
+        if isinstance(model, str):
+            check_model(model, srv.model_name)
+        # Decoding the audio is CPU work: off the event loop.
+        req = await run_in_threadpool(parse_transcription, form, srv.limits)
+        return TranscriptionResponse(srv.worker, req, transcription_request(req, srv.limits), srv.cfg.io_timeout_s)
+
+    async def speech(self, request: Request):
+        self.require_auth(request)
+        srv = self.server
+        try:
+            body = await read_body(request, srv.cfg.max_body_bytes, srv.cfg.io_timeout_s)
+        except ClientDisconnect:
+            return _no_response
+        data = await run_in_threadpool(parse_json, body)
+        self.require_ready()
+        model = data.get("model")
+        if isinstance(model, str):
+            check_model(model, srv.model_name)
+        req = parse_speech(data, voices(srv.engine), await run_in_threadpool(encodable_formats))
+        return SpeechResponse(srv.worker, req, speech_request(req, srv.limits, srv.cfg.max_speech_seconds),
+                              srv.cfg.io_timeout_s)
+
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's router refusals, in the API's words."""
     method, path = request.method, request.url.path
     if exc.status_code == 404:
         return error_response(ApiError(404, f"no such endpoint: {method} {path}; see /v1/models, "
-                                       "/v1/chat/completions, /health, /metrics", code="not_found"))
+                                       "/v1/chat/completions, /v1/audio/transcriptions, /v1/audio/speech, "
+                                       "/v1/realtime (WebSocket), /health, /metrics", code="not_found"))
     if exc.status_code == 405:
         allowed = ", ".join(sorted(m.strip() for m in (exc.headers or {}).get("Allow", "").split(",")))
         return error_response(ApiError(405, f"{method} is not allowed on {path}; use {allowed}",
@@ -239,10 +290,13 @@ def build_app(server) -> Starlette:
     api = _Api(server)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/audio/transcriptions", api.transcriptions, methods=["POST"]),
+        Route("/v1/audio/speech", api.speech, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{name:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        realtime_route(server),
     ]
     handlers = {HTTPException: _http_error, ApiError: _api_error, OrinError: _api_error}
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[Middleware(AccessLog, server=server)])

@@ -1,5 +1,6 @@
-"""The response to an admitted chat request, as an ASGI callable: one JSON body, or server-sent events as the
-engine produces them.
+"""The response to an admitted engine request, as an ASGI callable: EngineResponse queues it, watches the client
+and hands the engine's events to its subclass, which writes them; ChatResponse writes chat completions (one JSON
+body, or server-sent events as the engine produces them), orin.serve.audio_api the audio endpoints.
 
 While the engine runs, a task waits on the ASGI `receive` channel: the request body has been read, so the next
 message is `http.disconnect`, when the client hangs up (also while the request waits in the queue). It sets the
@@ -82,12 +83,13 @@ class _Client:
         await self.send({"type": "http.response.body", "body": sse(obj), "more_body": True})
 
 
-class ChatResponse:
-    def __init__(self, worker: Worker, req: ChatRequest, engine_req, model: str, io_timeout_s: float):
+class EngineResponse:
+    """Queues `engine_req`, maps the queue's refusals to errors, cancels the generation when the client hangs up,
+    and gives the engine's first event to `respond`, which writes the answer."""
+
+    def __init__(self, worker: Worker, engine_req, io_timeout_s: float):
         self.worker = worker
-        self.req = req
         self.engine_req = engine_req
-        self.model = model
         self.io_timeout_s = io_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
@@ -102,13 +104,14 @@ class ChatResponse:
                 await self._drain(run, first)
                 scope[STATUS_KEY] = CLIENT_CLOSED
                 return
-            if self.req.stream:
-                await self._stream(scope, run, first, client)
-            else:
-                await self._complete(scope, run, first, client)
+            await self.respond(scope, run, first, client)
         finally:
             # At once: once the response is complete, receive() reports a disconnect that is not one.
             watcher.cancel()
+
+    async def respond(self, scope, run: Run, event, client: _Client) -> None:
+        """Write the response, starting from the engine's first event `event`."""
+        raise NotImplementedError
 
     async def _admitted(self, run: Run):
         """The engine's first event, or None when the client left the queue; the queue's refusals as errors."""
@@ -132,7 +135,9 @@ class ChatResponse:
         if event is not None:
             log.info("client went away; generation cancelled after %d tokens", event.report.completion_tokens)
 
-    async def _complete(self, scope, run: Run, event, client: _Client) -> None:
+    async def collect(self, scope, run: Run, event, client: _Client):
+        """The whole answer as (text, samples or None, report); None when the client has gone (the status to log
+        is set). A generation that shutdown cancelled raises the 503."""
         import numpy as np
 
         text, audio = [], []
@@ -146,35 +151,36 @@ class ChatResponse:
         if client.gone:
             scope[STATUS_KEY] = CLIENT_CLOSED
             log.info("client went away; generation cancelled after %d tokens", report.completion_tokens)
-            return
+            return None
         if report.cancelled:
             raise shutdown_error()
-        samples = np.concatenate(audio) if audio else None
-        # Encoding a long answer's speech is CPU work: off the event loop.
-        body = await run_in_threadpool(
-            lambda: dumps(completion_body(self.req, self.model, new_ids(), "".join(text), samples, report)))
+        return "".join(text), np.concatenate(audio) if audio else None, report
+
+    @staticmethod
+    async def send_whole(client: _Client, body: bytes, content_type: bytes) -> None:
         await client.send({"type": "http.response.start", "status": 200,
-                           "headers": [(b"content-type", b"application/json"),
+                           "headers": [(b"content-type", content_type),
                                        (b"content-length", str(len(body)).encode())]})
         await client.send({"type": "http.response.body", "body": body})
 
-    async def _stream(self, scope, run: Run, event, client: _Client) -> None:
-        req, model, ids = self.req, self.model, new_ids()
+    async def stream_sse(self, scope, run: Run, event, client: _Client, each, last, *, opening=(),
+                         done_marker: bool = True) -> None:
+        """Server-sent events: `opening`, then `each(event)`'s objects for every engine event, then `last(report)`'s
+        when the engine completed. An error after the status line becomes the last event. `done_marker` ends the
+        stream with "[DONE]" (chat completions; the audio endpoints end with a typed done event instead)."""
         await client.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        role = {"role": "assistant"} if req.audio_out else {"role": "assistant", "content": ""}
-        await client.event(chunk(ids, model, role))
+        for obj in opening:
+            await client.event(obj)
         try:
             while not isinstance(event, Done):
-                if isinstance(event, TextDelta) and event.text:
-                    await client.event(chunk(ids, model, text_delta(req, ids, event.text)))
-                elif isinstance(event, AudioChunk):
-                    await client.event(chunk(ids, model, audio_delta(req, ids, event.samples)))
+                for obj in each(event):
+                    await client.event(obj)
                 event = await run.get()
         except Exception as exc:  # noqa: BLE001 - the status line has gone out: the error becomes the last event
             err = to_api_error(exc)
             log.error("stream failed after its headers were sent: %s", err.message)
             await client.event(err.body())
-            await self._end(scope, client)
+            await self._end(scope, client, done_marker)
             return
         report = event.report
         if client.gone:
@@ -182,17 +188,58 @@ class ChatResponse:
         elif report.cancelled:
             await client.event(shutdown_error().body())
         else:
-            if req.audio_out:
-                await client.event(chunk(ids, model, {"audio": {"id": ids[1], "expires_at": ids[2]}}))
-            await client.event(chunk(ids, model, {}, finish=finish_reason(report), extra={"orin": report.to_json()}))
-            if req.include_usage:
-                await client.event(chunk(ids, model, None, extra={"usage": usage(report)}))
-        await self._end(scope, client)
+            for obj in last(report):
+                await client.event(obj)
+        await self._end(scope, client, done_marker)
 
     @staticmethod
-    async def _end(scope, client: _Client) -> None:
-        await client.event("[DONE]")
+    async def _end(scope, client: _Client, done_marker: bool = True) -> None:
+        if done_marker:
+            await client.event("[DONE]")
         if client.gone:
             scope[STATUS_KEY] = CLIENT_CLOSED
             return
         await client.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ChatResponse(EngineResponse):
+    def __init__(self, worker: Worker, req: ChatRequest, engine_req, model: str, io_timeout_s: float):
+        super().__init__(worker, engine_req, io_timeout_s)
+        self.req = req
+        self.model = model
+
+    async def respond(self, scope, run: Run, event, client: _Client) -> None:
+        if self.req.stream:
+            await self._stream(scope, run, event, client)
+        else:
+            await self._complete(scope, run, event, client)
+
+    async def _complete(self, scope, run: Run, event, client: _Client) -> None:
+        answer = await self.collect(scope, run, event, client)
+        if answer is None:
+            return
+        text, samples, report = answer
+        # Encoding a long answer's speech is CPU work: off the event loop.
+        body = await run_in_threadpool(
+            lambda: dumps(completion_body(self.req, self.model, new_ids(), text, samples, report)))
+        await self.send_whole(client, body, b"application/json")
+
+    async def _stream(self, scope, run: Run, event, client: _Client) -> None:
+        req, model, ids = self.req, self.model, new_ids()
+        role = {"role": "assistant"} if req.audio_out else {"role": "assistant", "content": ""}
+
+        def each(event) -> list:
+            if isinstance(event, TextDelta) and event.text:
+                return [chunk(ids, model, text_delta(req, ids, event.text))]
+            if isinstance(event, AudioChunk):
+                return [chunk(ids, model, audio_delta(req, ids, event.samples))]
+            return []
+
+        def last(report) -> list:
+            out = [chunk(ids, model, {"audio": {"id": ids[1], "expires_at": ids[2]}})] if req.audio_out else []
+            out.append(chunk(ids, model, {}, finish=finish_reason(report), extra={"orin": report.to_json()}))
+            if req.include_usage:
+                out.append(chunk(ids, model, None, extra={"usage": usage(report)}))
+            return out
+
+        await self.stream_sse(scope, run, event, client, each, last, opening=[chunk(ids, model, role)])
