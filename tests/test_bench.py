@@ -233,13 +233,49 @@ def test_bench_video_cases_on_both_sides(tmp_path):
     assert "HF fp32" in table and "video decode (PyAV" in table and "target" not in table
 
 
+def test_bench_realtime_case(tmp_path):
+    """The Realtime API case (issue 17) at tiny dimensions on CPU, alone: a spoken question (espeak-ng) streamed
+    in real time to the real server's WebSocket through the official client; per turn the VAD's silence window
+    and the server's time to the first audio delta, then a barge-in that cancels the answer."""
+    import soundfile as sf
+    from click.testing import CliRunner
+    from speech_kit import speak
+
+    from orin.cli import cli
+
+    question = tmp_path / "question.wav"
+    sf.write(question, speak("Which tool fixes the wheel?"), 24_000)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(cli, [
+        "bench", "--config", "tiny", "--synthetic", "--workdir", str(tmp_path / "w"), "--device", "cpu",
+        "--compile", "off", "--power-backend", "none", "--skip-hf", "--realtime-question", str(question),
+        "--cases-only", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["errors"] == {} and data["runs"] == {}
+    rt = data["realtime"]
+    assert 1.0 < rt["question_s"] < 3.0 and rt["silence_duration_ms"] == 500 and len(rt["turns"]) == 3
+    for turn in rt["turns"]:
+        # the VAD declares the end of a turn after its 500 ms silence window, to within a few 32 ms windows
+        assert 0.45 < turn["vad_window_s"] < 0.8
+        assert turn["server_s"] > 0 and turn["voice_to_voice_s"] == pytest.approx(
+            turn["vad_window_s"] + turn["server_s"])
+    # The tiny model on a CPU may finish its capped answer before the barge-in's speech is detected (the
+    # cancel itself is tests/test_realtime.py's, held deterministically): the figures are there when it cancels.
+    barge = rt["barge_in"]
+    assert barge["status"] in ("cancelled", "incomplete", "completed")
+    if barge["status"] == "cancelled":
+        assert barge["to_done_s"] >= 0 and barge["server_interrupt_to_stop_s"] is not None
+    assert "realtime (" in result.stdout and f"barge-in ({barge['status']})" in result.stdout
+
+
 def test_video_options_are_checked():
     from orin.devtools.bench import BenchConfig, run_bench
     from orin.errors import UsageError
 
     with pytest.raises(UsageError, match="multiple of 32"):
         run_bench(BenchConfig(config="tiny", synthetic=True, video_seconds=2, video_size=100))
-    with pytest.raises(UsageError, match="needs --video-seconds"):
+    with pytest.raises(UsageError, match="needs a case to run"):
         run_bench(BenchConfig(config="tiny", synthetic=True, video_only=True))
     with pytest.raises(UsageError, match="each sampling rate once"):
         run_bench(BenchConfig(config="tiny", synthetic=True, video_seconds=2, video_fps=(2.0, 2.0)))

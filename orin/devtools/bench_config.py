@@ -55,7 +55,11 @@ class BenchConfig:
     video_seconds: float = 0.0
     video_fps: tuple[float, ...] = (2.0,)
     video_size: int = 448
-    video_only: bool = False  # only the video cases: no standard request, time-sliced runs, kernels or profile
+    video_only: bool = False  # only the extra cases (video, realtime): no standard request, time-sliced runs,
+    # kernels or profile
+    # The Realtime API case (issue 17): a spoken question (an audio file), streamed to the real server's WebSocket
+    # as a microphone would, on the first setting's engine (orin.devtools.bench_realtime); None: not run.
+    realtime_question: str | None = None
 
 
 def parse_compile(text: str) -> tuple[bool, ...]:
@@ -131,8 +135,8 @@ def check_video(cfg: BenchConfig) -> None:
 
     if cfg.video_seconds < 0:
         raise UsageError(f"--video-seconds {cfg.video_seconds:g} must be 0 (no video case) or more")
-    if cfg.video_only and not cfg.video_seconds:
-        raise UsageError("--video-only needs --video-seconds")
+    if cfg.video_only and not cfg.video_seconds and not cfg.realtime_question:
+        raise UsageError("--video-only/--cases-only needs a case to run: --video-seconds or --realtime-question")
     if not cfg.video_seconds:
         return
     if cfg.video_size < FRAME_FACTOR or cfg.video_size % FRAME_FACTOR:

@@ -181,6 +181,24 @@ def render_video(video: dict, markdown: bool = False) -> list[str]:
     return lines
 
 
+def render_realtime(rt: dict) -> list[str]:
+    """The Realtime API case: voice-to-voice latency split at the VAD's verdict, and the barge-in."""
+    if "error" in rt:
+        return [f"realtime: failed ({rt['error']})"]
+    b = rt.get("barge_in") or {}
+
+    def sec(v) -> str:
+        return "-" if v is None else f"{v:.3f} s"
+
+    return [f"realtime ({rt['question_s']:.1f} s question, silence_duration_ms {rt['silence_duration_ms']}, "
+            f"{len(rt['turns'])} turns, medians): end of speech -> speech_stopped {sec(rt['vad_window_s_median'])}, "
+            f"speech_stopped -> first audio delta (server) {sec(rt['server_s_median'])} (max "
+            f"{sec(rt['server_s_max'])}), voice to voice {sec(rt['voice_to_voice_s_median'])}",
+            f"realtime barge-in ({b.get('status')}): speech_started -> last audio delta {sec(b.get('to_silence_s'))}, "
+            f"-> response.done {sec(b.get('to_done_s'))}; the server's cancel -> engine stop "
+            f"{sec(b.get('server_interrupt_to_stop_s'))}"]
+
+
 def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
     data = result.to_json() if isinstance(result, BenchResult) else result
     runs = data["runs"]
@@ -193,6 +211,8 @@ def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
         lines += _grid(heads, rows, markdown) + [""]
     if data.get("video"):
         lines += render_video(data["video"], markdown) + [""]
+    if data.get("realtime"):
+        lines += render_realtime(data["realtime"]) + [""]
     for t in data["targets"] if order else ():
         mark = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         v = t["value"]
@@ -204,5 +224,6 @@ def render_table(result: BenchResult | dict, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TARGETS", "BenchResult", "best_run", "evaluate_targets", "render_table", "render_video", "ttft_stats",
+__all__ = ["TARGETS", "BenchResult", "best_run", "evaluate_targets", "render_realtime", "render_table", "render_video",
+           "ttft_stats",
            "video_rows"]

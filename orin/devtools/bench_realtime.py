@@ -1,0 +1,154 @@
+"""The Realtime API's voice-to-voice latency and barge-in, measured as a robot's client sees them (issue 17): the
+real server on loopback around an already-loaded engine, the official `openai` client over its WebSocket, a
+spoken question streamed as a microphone would (20 ms packets of 24 kHz PCM, paced in real time, then silence).
+
+Per turn: the end of the user's speech (the last speech packet sent) → `input_audio_buffer.speech_stopped` (the
+server VAD's silence window, `silence_duration_ms`, plus its 32 ms windows) → the first
+`response.output_audio.delta` (the server's time: commit, prompt, encoders, prefill, the first speech frames and
+their vocoding). Then a barge-in: the same speech streamed again while the answer plays; from
+`speech_started` to the last audio delta received (the silence the listener hears) and to `response.done`
+(`cancelled`), and the server's own cancel-to-engine-stop time (`response.orin.interrupt_to_stop_s`)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+PACKET_S = 0.02
+
+
+def load_question(path: str, rate: int = 24_000):
+    """The spoken question (any file orin.media reads) at the API's 24 kHz, trimmed to where its speech is."""
+    import numpy as np
+
+    from ..media import load_audio
+
+    samples = np.asarray(load_audio(path, target_sr=rate), dtype=np.float32)
+    loud = np.flatnonzero(np.abs(samples) > 0.02)
+    return samples[loud[0]:loud[-1] + 1] if loud.size else samples
+
+
+class _Sender(threading.Thread):
+    """Streams `samples` in real-time 20 ms packets, then silence packets until stopped: a live microphone."""
+
+    def __init__(self, conn, samples, silence_after: bool = True):
+        super().__init__(daemon=True, name="bench-mic")
+        self.conn, self.samples, self.silence_after = conn, samples, silence_after
+        self.speech_end: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import base64
+
+        import numpy as np
+
+        step = int(24_000 * PACKET_S)
+        pcm = (np.clip(self.samples, -1, 1) * 32767).astype("<i2").tobytes()
+        quiet = bytes(2 * step)
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(0, len(pcm), 2 * step):
+            self._send(base64, pcm[i:i + 2 * step])
+            n += 1
+            time.sleep(max(0.0, t0 + n * PACKET_S - time.perf_counter()))
+        self.speech_end = time.perf_counter()
+        while self.silence_after and not self.stop.is_set():
+            self._send(base64, quiet)
+            n += 1
+            time.sleep(max(0.0, t0 + n * PACKET_S - time.perf_counter()))
+
+    def _send(self, base64, chunk: bytes) -> None:
+        if not self.stop.is_set():
+            self.conn.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+
+
+def _events(conn):
+    """(arrival time, event dict) for each server event."""
+    for raw in iter(conn.recv_bytes, None):
+        yield time.perf_counter(), json.loads(raw)
+
+
+def _turn(conn, question, barge_in: bool) -> dict:
+    mic = _Sender(conn, question)
+    mic.start()
+    out: dict = {}
+    barge = None
+    try:
+        for t, ev in _events(conn):
+            kind = ev.get("type")
+            if kind == "error":
+                raise RuntimeError(f"server error event: {ev.get('error')}")
+            if kind == "input_audio_buffer.speech_stopped" and "stopped" not in out:
+                out["stopped"] = t
+            elif kind == "response.output_audio.delta":
+                out.setdefault("first_audio", t)
+                out["last_audio"] = t
+                if barge_in and barge is None:
+                    mic.stop.set()
+                    mic.join()
+                    barge = _Sender(conn, question, silence_after=True)
+                    barge.start()
+            elif kind == "input_audio_buffer.speech_started" and barge is not None:
+                out.setdefault("barge_started", t)
+            elif kind == "response.done":
+                out["done"] = t
+                resp = ev.get("response") or {}
+                out["status"] = resp.get("status")
+                out["orin"] = resp.get("orin") or {}
+                break
+    finally:
+        mic.stop.set()
+        if barge is not None:
+            barge.stop.set()
+            barge.join()
+        mic.join()
+    out["speech_end"] = mic.speech_end
+    return out
+
+
+def measure_realtime(engine, model_dir: str, question_path: str, log_fn, *, turns: int = 3,
+                     silence_ms: int = 500, max_speech_seconds: float = 20.0) -> dict:
+    """`turns` spoken questions answered in speech, then one barge-in, on one session; seconds per turn."""
+    import openai
+
+    from ..serve.app import ServeConfig, Server
+
+    question = load_question(question_path)
+    srv = Server(ServeConfig(model_dir=model_dir, port=0, device=str(engine.device), power_backend="none",
+                             warmup=False, max_speech_seconds=max_speech_seconds, verify_checksums=False),
+                 engine=engine).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="bench", max_retries=0,
+                               websocket_base_url=srv.url.replace("http://", "ws://") + "/v1")
+        with client.realtime.connect(model=srv.model_name) as conn:
+            conn.send({"type": "session.update", "session": {
+                "type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 64,
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000},
+                                    "turn_detection": {"type": "server_vad", "silence_duration_ms": silence_ms}},
+                          "output": {"voice": "ethan"}}}})
+            rows = []
+            for i in range(turns + 1):
+                r = _turn(conn, question, barge_in=False)
+                if i == 0:
+                    continue  # warm-up: the first response pays one-off costs (graph captures)
+                rows.append({"vad_window_s": r["stopped"] - r["speech_end"],
+                             "server_s": r["first_audio"] - r["stopped"],
+                             "voice_to_voice_s": r["first_audio"] - r["speech_end"], "status": r["status"]})
+                log_fn(f"[realtime] turn {i}: speech end -> stopped {rows[-1]['vad_window_s']:.3f} s, "
+                       f"stopped -> first audio {rows[-1]['server_s']:.3f} s")
+            b = _turn(conn, question, barge_in=True)
+            barge = {"status": b["status"],
+                     "to_silence_s": max(0.0, b["last_audio"] - b["barge_started"]) if "barge_started" in b else None,
+                     "to_done_s": b["done"] - b["barge_started"] if "barge_started" in b else None,
+                     "server_interrupt_to_stop_s": b["orin"].get("interrupt_to_stop_s")}
+            log_fn(f"[realtime] barge-in: {barge}")
+    finally:
+        srv.stop()
+    server = [r["server_s"] for r in rows]
+    return {"question_s": len(question) / 24_000, "silence_duration_ms": silence_ms, "turns": rows,
+            "server_s_median": statistics.median(server), "server_s_max": max(server),
+            "vad_window_s_median": statistics.median(r["vad_window_s"] for r in rows),
+            "voice_to_voice_s_median": statistics.median(r["voice_to_voice_s"] for r in rows),
+            "barge_in": barge}
