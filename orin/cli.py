@@ -273,10 +273,25 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
               help="On SIGTERM, how long the request in flight may run before it is cancelled.")
 @click.option("--served-model-name", default=None,
               help="The model id clients pass as model= (default: the name recorded in the checkpoint's manifest).")
+@click.option("--realtime-max-sessions", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Realtime API (WebSocket) sessions open at once.")
+@click.option("--realtime-busy", type=click.Choice(["wait", "error"]), default="wait", show_default=True,
+              help="A Realtime session beyond the limit, or a response while the GPU is busy: wait, or get an error.")
+@click.option("--realtime-max-session-seconds", type=click.FloatRange(min=0, min_open=True), default=3600.0,
+              show_default=True, help="A Realtime session is closed after this long.")
+@click.option("--realtime-max-buffer-seconds", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="Most uncommitted input audio a Realtime session may hold.")
+@click.option("--realtime-max-message", type=SIZE, default="16MiB", show_default=True,
+              help="Largest Realtime client event (one WebSocket message).")
+@click.option("--realtime-context-tokens", type=click.IntRange(min=256), default=None,
+              help="Context a Realtime conversation may fill (prompt and answer; older items are dropped to fit; "
+                   "default: the model's).")
 @_packed_cache_option
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
               sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_video_seconds,
-              max_speech_seconds, drain_seconds, served_model_name, packed_cache):
+              max_speech_seconds, drain_seconds, served_model_name, realtime_max_sessions, realtime_busy,
+              realtime_max_session_seconds, realtime_max_buffer_seconds, realtime_max_message,
+              realtime_context_tokens, packed_cache):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio/video in, speech
     out)."""
     from .packed_cache import resolve_dir
@@ -288,6 +303,9 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
         verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
         max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels, max_video_seconds=max_video_seconds,
         max_speech_seconds=max_speech_seconds, drain_s=drain_seconds, served_model_name=served_model_name,
+        realtime_max_sessions=realtime_max_sessions, realtime_busy=realtime_busy,
+        realtime_max_session_s=realtime_max_session_seconds, realtime_max_buffer_s=realtime_max_buffer_seconds,
+        realtime_max_message_bytes=realtime_max_message, realtime_context_tokens=realtime_context_tokens,
         packed_cache=resolve_dir(packed_cache, model_dir),
     ))
 
@@ -400,11 +418,16 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
               show_default=True, help="Sampling rate of a video case (repeatable: one case per rate).")
 @click.option("--video-size", type=click.IntRange(min=32), default=448, show_default=True,
               help="Side of the video cases' square frames (a multiple of 32).")
-@click.option("--video-only", is_flag=True,
-              help="Only the video cases: no standard request, time-sliced runs, kernel timings or profile.")
+@click.option("--realtime-question", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Also run the Realtime API case: this spoken question (an audio file) streamed to the server's "
+                   "WebSocket in real time; voice-to-voice latency and barge-in.")
+@click.option("--video-only", "--cases-only", "video_only", is_flag=True,
+              help="Only the video and realtime cases: no standard request, time-sliced runs, kernel timings or "
+                   "profile.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
               audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
-              seed, hf_repeats, packed_cache, sliced_unpacked, video_seconds, video_fps, video_size, video_only):
+              seed, hf_repeats, packed_cache, sliced_unpacked, video_seconds, video_fps, video_size, realtime_question,
+              video_only):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
     and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps. With
     --video-seconds, the video cases too (image + video with its soundtrack -> text + speech)."""
@@ -417,9 +440,30 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         compile=parse_compile(compile_settings), profile=profile, power_backend=power_backend,
         json_out=json_out, seed=seed, hf_repeats=hf_repeats, packed_cache=packed_cache,
         sliced_unpacked=tuple(sliced_unpacked), video_seconds=video_seconds, video_fps=tuple(video_fps),
-        video_size=video_size, video_only=video_only,
+        video_size=video_size, video_only=video_only, realtime_question=realtime_question,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
+
+
+@cli.command("synthetic-bf16")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--config", "config", required=True, help="A Qwen3-Omni config.json (or checkpoint dir), or 'tiny'.")
+@click.option("--thinker-layers", type=click.IntRange(min=1), default=None,
+              help="Thinker text layers to write (default: the config's; each is 1.2 GiB at the real widths).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where the random values are drawn (cuda is ~100x faster at real widths).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shard-size", type=SIZE, default="4GiB", show_default=True, help="Largest safetensors shard.")
+@click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in OUT.")
+def synthetic_bf16_cmd(out, config, thinker_layers, device, seed, shard_size, force):
+    """Write a random-weight BF16 Qwen3-Omni in the published checkpoint's layout to OUT: the input to benchmark
+    `orin-omni quantize` at real widths with fewer thinker layers than the real 48."""
+    from .devtools.synthetic_bf16 import SyntheticBF16Config, write_synthetic_bf16
+
+    path = write_synthetic_bf16(SyntheticBF16Config(config=config, out=out, thinker_layers=thinker_layers,
+                                                    device=device, seed=seed, shard_bytes=shard_size, force=force),
+                                log=lambda m: click.echo(m, err=True))
+    click.echo(f"synthetic BF16 Qwen3-Omni written to {path}")
 
 
 @cli.command("quantize")
@@ -457,13 +501,20 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
               help="Symmetric 4-bit (what vLLM's GPTQ kernels take) or asymmetric; report.json measures the other.")
 @click.option("--served-model-name", default=None,
               help="Model id recorded in the manifest, which `serve` answers to (default: qwen3-omni-int<bits>).")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+@click.option("--max-gpu-memory", type=SIZE, default="16GiB", show_default=True,
+              help="GPU memory the run may use; planned before anything is loaded, enforced on CUDA.")
+@click.option("--max-host-memory", type=SIZE, default="24GiB", show_default=True,
+              help="Host memory (RSS) the run may use; calibration activations go to disk when it is short.")
+@click.option("--activations", type=click.Choice(["auto", "device", "host", "disk"]), default="auto",
+              show_default=True, help="Where calibration activations live; auto: as the memory plan decides.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the manifest summary as JSON, with the run's memory plan, time per stage and peaks.")
 def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
                  quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts,
                  speech_samples, reply_tokens, speech_frames, seed, force, quantize_vision, sym, served_model_name,
-                 as_json):
-    """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4, one resumable segment directory at a time."""
-    from quantize.pipeline import QuantConfig, render_result, run_quantize
+                 max_gpu_memory, max_host_memory, activations, as_json):
+    """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4 in bounded memory, layer by layer, resumable."""
+    from quantize.pipeline import QuantConfig, quantize_run, render_result
 
     cfg = QuantConfig(
         model=model_dir, out=out, segments=_csv(segments), split=split, bits=bits, group_size=group_size, calib=calib,
@@ -472,9 +523,12 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         quantize_lm_head=quantize_lm_head, min_expert_tokens=min_expert_tokens, starved_experts=starved_experts,
         speech_samples=speech_samples, reply_tokens=reply_tokens, speech_frames=speech_frames, seed=seed,
         force=force, quantize_vision=quantize_vision, sym=sym, served_model_name=served_model_name,
+        max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
+        activations=None if activations == "auto" else activations,
     )
-    manifest = run_quantize(cfg)
-    click.echo(json.dumps(manifest.summary(), indent=2) if as_json else render_result(out, manifest))
+    run = quantize_run(cfg)
+    summary = {**run.manifest.summary(), "run": run.figures}
+    click.echo(json.dumps(summary, indent=2) if as_json else render_result(out, run.manifest))
 
 
 @cli.command("convert")

@@ -1,20 +1,24 @@
 """Running the model to collect calibration inputs: no quantization math here.
 
-Two BF16 passes happen before any weight changes:
+The model is quantize.weights' skeleton: modules hold weights only while a pass needs them, and the thinker's text
+decoder (57 GiB in BF16) streams through one layer at a time. Two BF16 passes happen before any weight changes:
 
-- the thinker pass: ``model.thinker(**inputs)`` teacher-forced over each whole calibration conversation; hooks
-  record the first-layer inputs (hidden states plus the keyword arguments the stack passes every layer:
-  rotary embeddings, masks, cu_seqlens) of the thinker text decoder, the vision encoder and the audio encoder,
-  and the DeepStack visual features the text decoder adds after its first layers;
+- the thinker pass: ``model.thinker(**inputs)`` over each whole calibration conversation with the encoders and the
+  embeddings loaded, stopped at the text decoder's first layer; hooks record the first-layer inputs (hidden states
+  plus the keyword arguments the stack passes every layer: rotary embeddings, masks, cu_seqlens) of the thinker
+  text decoder, the vision encoder and the audio encoder, and the DeepStack visual features the text decoder
+  adds after its first layers. The held-out conversations' BF16 logits (the report's reference) come from one
+  sweep of their first-layer calls over the decoder layers (:func:`thinker_logits`);
 - the speech pass: ``model.generate(return_audio=True)`` with greedy thinker and talker, exactly as a request is
-  served: hooks record what the talker decoder, the code predictor and code2wav's pre-transformer are fed at
-  every step (the talker's prompt is built by generate() from the thinker's embeddings and its
-  ``accept_hidden_layer`` hidden states of the prompt and the generated reply). The steps are concatenated
-  into whole sequences and run once more, teacher-forced, to record those stacks' first-layer inputs; causal
-  attention makes that equal to the step-by-step run.
+  served: the thinker's replies for a wave of conversations are generated with its layers streamed
+  (quantize.gate), then generate() goes on with each reply and the talker loaded whole; hooks record what the
+  talker decoder, the code predictor and code2wav's pre-transformer are fed at every step (the talker's prompt is
+  built by generate() from the thinker's embeddings and its ``accept_hidden_layer`` hidden states of the prompt
+  and the generated reply). The steps are concatenated into whole sequences and run once more, teacher-forced,
+  to record those stacks' first-layer inputs; causal attention makes that equal to the step-by-step run.
 
 Then, per layer, :func:`capture_stage` re-runs one layer over the recorded calls with hooks on the modules of
-one stage, and :func:`forward_layer` produces the next layer's inputs from the (partly quantized) layer.
+one stage (quantize/sequential.py then produces the next layer's inputs from the partly quantized layer).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from . import adapters as A
+from .activations import Call, StackData, tree_to
 
 if TYPE_CHECKING:
     from .skips import PassResult
@@ -35,38 +40,6 @@ if TYPE_CHECKING:
 
 class StopForward(Exception):
     """Raised by a hook once everything needed from a forward pass has been recorded."""
-
-
-@dataclass
-class Call:
-    """One call of a layer: positional args (hidden states first) and keyword args, plus stack-level extras
-    (DeepStack features) that apply between layers."""
-
-    args: tuple
-    kwargs: dict
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        return self.args[0]
-
-    def with_hidden(self, hidden: torch.Tensor) -> Call:
-        return Call((hidden,) + tuple(self.args[1:]), self.kwargs, self.extra)
-
-
-@dataclass
-class StackData:
-    """First-layer calls of one stack: calibration calls feed the Hessians, held-out calls only the report."""
-
-    calib: list[Call] = field(default_factory=list)
-    heldout: list[Call] = field(default_factory=list)
-
-    def add(self, call: Call, heldout: bool) -> None:
-        (self.heldout if heldout else self.calib).append(call)
-
-    @property
-    def calib_rows(self) -> int:
-        return sum(c.hidden.numel() // c.hidden.shape[-1] for c in self.calib)
 
 
 def _detach(value):
@@ -139,22 +112,28 @@ def quiet_generation() -> Iterator[None]:
 
 # ---------------------------------------------------------------------- the thinker pass
 
+# What the thinker runs before its text decoder's first layer (the encoders and the embeddings), and what comes
+# after its last layer: both stay loaded for a whole pass, the decoder layers stream through.
+THINKER_SHELL = ("thinker.model.audio_tower", "thinker.model.visual", "thinker.model.language_model.embed_tokens")
+THINKER_HEAD = ("thinker.model.language_model.norm", "thinker.lm_head")
+
 
 @dataclass
 class ThinkerOutputs:
-    logits: torch.Tensor  # [T, vocab] bf16 on CPU
+    logits: torch.Tensor | None  # [T, vocab] bf16 on CPU
     vision: torch.Tensor | None  # merged vision features [P, D]
     audio: torch.Tensor | None  # audio encoder output [A, D]
 
 
-@torch.no_grad()
-def run_thinker(model, inputs: dict) -> ThinkerOutputs:
-    """Teacher-forced thinker forward of one conversation, with the encoders' outputs."""
+@contextlib.contextmanager
+def encoder_outputs(model) -> Iterator[dict[str, torch.Tensor]]:
+    """The merged vision features and the audio encoder output of the forward passes run inside (float32 on CPU;
+    the vision encoder runs once for the images and once for the videos: concatenated)."""
     seen: dict[str, torch.Tensor] = {}
     thinker = model.thinker
 
     def keep(name, attr):
-        def hook(_mod, _args, output):  # the vision encoder runs once for the images and once for the videos
+        def hook(_mod, _args, output):
             now = getattr(output, attr).detach().float().cpu()
             seen[name] = torch.cat([seen[name], now]) if name in seen else now
         return hook
@@ -162,11 +141,10 @@ def run_thinker(model, inputs: dict) -> ThinkerOutputs:
     handles = [thinker.model.visual.register_forward_hook(keep("vision", "pooler_output")),
                thinker.model.audio_tower.register_forward_hook(keep("audio", "last_hidden_state"))]
     try:
-        out = thinker(**inputs, use_cache=False)
+        yield seen
     finally:
         for h in handles:
             h.remove()
-    return ThinkerOutputs(out.logits[0].detach().to(torch.bfloat16).cpu(), seen.get("vision"), seen.get("audio"))
 
 
 _THINKER_FIRST_LAYER = {
@@ -180,43 +158,93 @@ _THINKER_NEEDS = {"thinker_text": "text", "vision_encoder": ("image", "video"), 
 
 
 @torch.no_grad()
-def capture_thinker_pass(model, samples, stacks: set[str], reference: bool, runner
+def thinker_prefix(model, inputs: dict, wanted: dict[str, torch.nn.Module]) -> tuple[dict, Call, dict]:
+    """Run the thinker on one conversation up to its text decoder's first layer: the first-layer calls of the
+    `wanted` stacks' first layers, the text decoder's first-layer call (with the DeepStack features it adds after
+    its first layers in `extra`), and the encoders' outputs."""
+    language_model = model.get_submodule(A.STACK_OF["thinker_text"].layers.rsplit(".", 1)[0])
+    decoder_start = model.get_submodule(_THINKER_FIRST_LAYER["thinker_text"])
+    with record_first_calls(wanted) as calls, encoder_outputs(model) as encoders, \
+            record_kwargs(language_model, ("visual_pos_masks", "deepstack_visual_embeds")) as deepstack:
+        text = _first_layer_calls(decoder_start, lambda: model.thinker(**inputs, use_cache=False))
+    extra = deepstack[0] if deepstack and deepstack[0]["deepstack_visual_embeds"] is not None else {}
+    for call in calls.get("thinker_text", []) + text:
+        call.extra.update(extra)
+    return calls, text[0], encoders
+
+
+@torch.no_grad()
+def sweep(model, residency, stack: A.StackSpec, calls: list[Call], quantized: bool, progress=None,
+          desc: str = "") -> list[torch.Tensor]:
+    """The last layer's outputs of `stack` for each call, the layers loaded one at a time (BF16, or with this
+    run's GPTQ weights where quantized): what the stack's own forward computes, between-layer steps included."""
+    layers = model.get_submodule(stack.layers)
+    hidden = [c.hidden for c in calls]
+    bar = progress.bar(len(layers), desc, unit="layer") if progress is not None and desc else contextlib.nullcontext()
+    with bar as b:
+        for i, layer in enumerate(layers):
+            with residency.loaded(f"{stack.layers}.{i}", quantized=quantized):
+                for n, call in enumerate(calls):
+                    out = A.layer_output(layer(hidden[n], *call.args[1:], **call.kwargs)).detach()
+                    hidden[n] = A.after_layer(model, stack, i, out, call.extra)
+            if b is not None:
+                b.update(1)
+    return hidden
+
+
+@torch.no_grad()
+def thinker_logits(model, residency, calls: list[Call], quantized: bool, progress=None, desc: str = ""
+                   ) -> Iterator[torch.Tensor]:
+    """The thinker's logits ([T, vocab] bf16 on CPU) for text decoder first-layer calls, one conversation at a
+    time (a long one's are gigabytes): the layers streamed, then the final norm and lm_head, as the thinker's
+    forward computes them."""
+    if not calls:
+        return
+    hidden = sweep(model, residency, A.STACK_OF["thinker_text"], calls, quantized, progress, desc)
+    norm = model.get_submodule(A.STACK_OF["thinker_text"].final_norm)
+    with residency.loaded(*THINKER_HEAD, quantized=quantized):
+        for n in range(len(hidden)):
+            h, hidden[n] = hidden[n], None
+            yield model.thinker.lm_head(norm(h))[0].detach().to(torch.bfloat16).cpu()
+
+
+@torch.no_grad()
+def capture_thinker_pass(model, residency, samples, stacks: set[str], reference: bool, runner, new_data,
+                         keep_logits=lambda _name, logits: logits
                          ) -> tuple[dict[str, StackData], dict[str, ThinkerOutputs], PassResult | None]:
-    """First-layer calls of the thinker-side stacks in `stacks`, and (reference=True) the BF16 outputs of the
-    held-out samples, by sample name, through `runner` (a skips.PassRunner: conversations the model fails
-    on are skipped). Calibration-only conversations stop at the text decoder's first layer: the encoders run
-    before it, and nothing after it is needed. No pass (None) when nothing is wanted from it."""
+    """First-layer calls of the thinker-side stacks in `stacks` (into `new_data(stack)`: a StackData where the
+    memory plan keeps activations), and (reference=True) the BF16 outputs of the held-out samples, by sample
+    name, through `runner` (a skips.PassRunner: conversations the model fails on are skipped). The encoders run
+    whole; each conversation stops at the text decoder's first layer, and the held-out ones' logits come from
+    one sweep over the decoder layers afterwards, each kept as `keep_logits(name, logits)` returns it (in
+    memory, or spilled to disk). No pass (None) when nothing is wanted from it."""
     from orin.components import BY_NAME
 
     wanted = {s: model.get_submodule(p) for s, p in _THINKER_FIRST_LAYER.items() if s in stacks}
-    data = {s: StackData() for s in wanted}
+    data = {s: new_data(s) for s in wanted}
     refs: dict[str, ThinkerOutputs] = {}
     if not wanted and not reference:
         return data, refs, None
-    language_model = model.get_submodule(A.STACK_OF["thinker_text"].layers.rsplit(".", 1)[0])
-    decoder_start = model.get_submodule(_THINKER_FIRST_LAYER["thinker_text"])
+    held: dict[str, tuple[Call, dict]] = {}
 
     def work(sample, heldout: bool):
-        keep_outputs = reference and heldout
-        with record_first_calls(wanted) as calls, \
-                record_kwargs(language_model, ("visual_pos_masks", "deepstack_visual_embeds")) as deepstack:
-            if keep_outputs:
-                outputs = run_thinker(model, sample.inputs)
-            else:
-                _first_layer_calls(decoder_start, lambda: model.thinker(**sample.inputs, use_cache=False))
+        calls, text, encoders = thinker_prefix(model, tree_to(sample.inputs, residency.device), wanted)
 
         def commit():
-            if keep_outputs:
-                refs[sample.name] = outputs
+            if reference and heldout:
+                held[sample.name] = (text, encoders)
             for stack, stack_calls in calls.items():
                 for call in stack_calls:
-                    if stack == "thinker_text" and deepstack and deepstack[0]["deepstack_visual_embeds"] is not None:
-                        call.extra.update(deepstack[0])
                     data[stack].add(call, heldout)
         return commit
 
-    result = runner.run("thinker", samples, work, None if wanted else 0,
-                        {BY_NAME[s].title: _THINKER_NEEDS[s] for s in wanted})
+    with residency.loaded(*THINKER_SHELL):
+        result = runner.run("thinker", samples, work, None if wanted else 0,
+                            {BY_NAME[s].title: _THINKER_NEEDS[s] for s in wanted})
+        logits = thinker_logits(model, residency, [text for text, _ in held.values()], False, runner.progress,
+                                "thinker pass: held-out logits")
+        for (name, (_text, encoders)), lg in zip(held.items(), logits, strict=True):
+            refs[name] = ThinkerOutputs(keep_logits(name, lg), encoders.get("vision"), encoders.get("audio"))
     return data, refs, result
 
 
@@ -301,35 +329,81 @@ def _empty_reply(model, sample, thinker_results: list, talker_results: list) -> 
     return None
 
 
+def _speaker(model, sample) -> str:
+    speakers = sorted(model.config.talker_config.speaker_id)
+    return speakers[sample.index % len(speakers)] if speakers else "ethan"
+
+
+def _generate(model, sample, settings: SpeechSettings, device=None):
+    """generate(return_audio=True) for one sample, greedy, as the speech pass runs it (its inputs moved to
+    `device` first, when given)."""
+    inputs = sample.prompt_inputs if device is None else tree_to(sample.prompt_inputs, device)
+    return model.generate(
+        **inputs, speaker=_speaker(model, sample), return_audio=True,
+        thinker_max_new_tokens=settings.reply_tokens, thinker_do_sample=False,
+        thinker_eos_token_id=model.config.im_end_token_id,
+        talker_max_new_tokens=settings.speech_frames,
+        talker_min_new_tokens=settings.min_speech_frames, talker_do_sample=False,
+    )
+
+
+@contextlib.contextmanager
+def _thinker_generate(model, replacement) -> Iterator[None]:
+    """model.thinker.generate replaced by `replacement` (an instance attribute) while inside."""
+    model.thinker.generate = replacement
+    try:
+        yield
+    finally:
+        del model.thinker.generate
+
+
 @torch.no_grad()
-def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool = True):
+def thinker_call(model, sample, settings: SpeechSettings, device=None) -> tuple[tuple, dict]:
+    """The arguments generate(return_audio=True) calls the thinker's generate() with for `sample` (taken from
+    the call itself, so the replies computed apart are exactly the ones it would compute)."""
+    seen: list = []
+
+    def capture(*args, **kwargs):
+        seen.append((args, kwargs))
+        raise StopForward
+
+    with quiet_generation(), _thinker_generate(model, capture), contextlib.suppress(StopForward):
+        _generate(model, sample, settings, device)
+    if not seen:
+        raise RuntimeError("generate(return_audio=True) never called the thinker's generate()")
+    return seen[0]
+
+
+@torch.no_grad()
+def generate_speech(model, sample, settings: SpeechSettings, decode_audio: bool = True, reply=None, device=None):
     """Greedy generate(return_audio=True) for one sample, recording the speech stacks' inputs. Returns the talker
     sequence, the code predictor's sequences (each [1, L, H]) and code2wav pre-transformer chunks (none when
     decode_audio is False: generate() then stops once the talker is done). UnusableConversation when the thinker
     or the talker replies with nothing (transformers' generate() itself fails on a talker that speaks no frame:
-    RuntimeError "stack expects a non-empty TensorList")."""
+    RuntimeError "stack expects a non-empty TensorList"). `reply`: the thinker's generate() result computed apart
+    (result, error) (see capture_speech_pass), used in place of running the thinker."""
     from .skips import UnusableConversation
 
     talker_model = model.talker.model
     predictor_model = model.talker.code_predictor.model
     pre_transformer = model.code2wav.pre_transformer
-    speakers = sorted(model.config.talker_config.speaker_id)
-    speaker = speakers[sample.index % len(speakers)] if speakers else "ethan"
     thinker_results: list = []
     talker_results: list = []
+
+    def computed(*_args, **_kwargs):
+        result, error = reply
+        if error is not None:
+            raise error
+        return result
+
     try:
         with quiet_generation(), record_kwargs(talker_model, ("inputs_embeds", "position_ids")) as talker_calls, \
                 record_kwargs(predictor_model, ("inputs_embeds",)) as predictor_calls, \
                 record_kwargs(pre_transformer, ("inputs_embeds",)) as code2wav_calls, \
+                _thinker_generate(model, computed) if reply is not None else contextlib.nullcontext(), \
                 keep_results(model.thinker, thinker_results), keep_results(model.talker, talker_results), \
                 _stop_at(None if decode_audio else model.code2wav):
-            model.generate(
-                **sample.prompt_inputs, speaker=speaker, return_audio=True,
-                thinker_max_new_tokens=settings.reply_tokens, thinker_do_sample=False,
-                thinker_eos_token_id=model.config.im_end_token_id,
-                talker_max_new_tokens=settings.speech_frames,
-                talker_min_new_tokens=settings.min_speech_frames, talker_do_sample=False,
-            )
+            _generate(model, sample, settings, device)
     except (RuntimeError, ValueError, IndexError) as exc:
         empty = _empty_reply(model, sample, thinker_results, talker_results)
         if empty is not None:
@@ -367,20 +441,59 @@ def talker_codes(model, seq: TalkerSequence, layer0: torch.nn.Module | None = No
     return logits.argmax(-1).cpu(), calls.get("talker", [])
 
 
+@dataclass(frozen=True)
+class SpeechStreaming:
+    """How the speech pass streams the thinker: replies of up to `wave` conversations are generated together (one
+    sweep over the decoder layers per token), and its first `keep_layers` layers stay loaded for the whole pass."""
+
+    wave: int = 8
+    keep_layers: int = 0
+
+
 @torch.no_grad()
-def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettings, reference: bool, runner
+def capture_speech_pass(model, residency, samples, stacks: set[str], settings: SpeechSettings, reference: bool,
+                        runner, new_data, streaming: SpeechStreaming = SpeechStreaming()
                         ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]], PassResult]:
-    """First-layer calls of the speech stacks in `stacks` and (reference=True) each held-out sample's talker
-    sequence with its BF16 teacher-forced codec tokens, through `runner` (see capture_thinker_pass): every
-    held-out sample and up to settings.max_conversations in all."""
+    """First-layer calls of the speech stacks in `stacks` (into `new_data(stack)`) and (reference=True) each
+    held-out sample's talker sequence with its BF16 teacher-forced codec tokens, through `runner` (see
+    capture_thinker_pass): every held-out sample and up to settings.max_conversations in all.
+
+    Each conversation is generate(return_audio=True) as served, in two parts: the thinker's reply (its generate()
+    with the hidden states the talker reads) for a wave of conversations at once, the decoder layers streamed
+    through quantize.gate.LayerGate; then, one conversation at a time, the rest of generate() with that reply,
+    the talker and code2wav loaded whole (they are small: 6.6 GB in BF16 at the real model's size)."""
     from orin.components import BY_NAME
 
-    data = {s: StackData() for s in A.SPEECH_PASS if s in stacks}
+    from .gate import LayerGate
+
+    data = {s: new_data(s) for s in A.SPEECH_PASS if s in stacks}
     refs: dict[str, tuple[TalkerSequence, torch.Tensor]] = {}
     talker_layer0 = model.get_submodule(f"{A.STACK_OF['talker'].layers}.0")
+    layers = A.STACK_OF["thinker_text"].layers
+    gate = LayerGate(model.get_submodule(layers), lambda i: residency.load(f"{layers}.{i}"),
+                     lambda i: residency.release(f"{layers}.{i}"), keep=streaming.keep_layers,
+                     swapped=[(model.thinker.model, "rope_deltas")], device=residency.device)
+    # generate(return_audio=True) reads only these hidden states of the thinker's; the others are never kept.
+    read = sorted({0, model.config.talker_config.accept_hidden_layer})
+    replies: dict[str, tuple] = {}
+
+    def prepare(batch) -> None:
+        jobs = []
+        for sample in batch:
+            args, kwargs = thinker_call(model, sample, settings, residency.device)
+            jobs.append(lambda a=args, k={**kwargs, "output_hidden_states": read}: model.thinker.generate(*a, **k))
+        desc = f"speech pass: {len(batch)} replies, the thinker's layers streamed"
+        with quiet_generation(), runner.progress.bar(settings.reply_tokens, desc, unit="token") as bar:
+            gate.on_sweep = lambda: bar.update(1)  # a sweep is a token of every reply (the first: the prompt)
+            for sample, (result, error) in zip(batch, gate.run(jobs), strict=True):
+                if result is not None:
+                    result.past_key_values = None  # generate(return_audio=True) reads no cache of the thinker's
+                replies[sample.name] = (result, error)
 
     def work(sample, heldout: bool):
-        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data)
+        reply = replies.pop(sample.name)
+        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data, reply,
+                                                           residency.device)
         talker_calls, codes = [], None
         if "talker" in data or (reference and heldout):
             codes, talker_calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
@@ -411,8 +524,10 @@ def capture_speech_pass(model, samples, stacks: set[str], settings: SpeechSettin
         return commit
 
     heldout = sum(s.heldout for s in samples)
-    result = runner.run("speech", samples, work, max(1, settings.max_conversations - heldout),
-                        {BY_NAME[s].title: "text" for s in data})
+    resident = (*THINKER_SHELL, *THINKER_HEAD, "talker", *(("code2wav",) if "code2wav" in data else ()))
+    with residency.loaded(*resident):
+        result = runner.run("speech", samples, work, max(1, settings.max_conversations - heldout),
+                            {BY_NAME[s].title: "text" for s in data}, prepare=prepare, batch=streaming.wave)
     return data, refs, result
 
 
@@ -430,8 +545,10 @@ class StageInputs:
 
 
 @torch.no_grad()
-def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Member]) -> StageInputs:
-    """Run `layer` over `calls` with hooks on one stage's members; each forward stops once all were seen."""
+def capture_stage(layer: torch.nn.Module, calls, members: list[A.Member], into: torch.device | None = None
+                  ) -> StageInputs:
+    """Run `layer` over `calls` with hooks on one stage's members; each forward stops once all were seen. The
+    inputs are kept on `into` (default: where they were computed) as each call is seen."""
     modules = {m.name: layer.get_submodule(m.name) for m in members}
     seen: dict[str, list] = {name: [] for name in modules}
     source: dict[str, tuple] = {}
@@ -443,11 +560,11 @@ def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Mem
         def hook(mod, args, kwargs, _name=name, _experts=is_experts):
             if _experts:
                 hidden, index = A.experts_call_inputs(args, kwargs)
-                seen[_name].append((hidden.detach(), index.detach()))
+                seen[_name].append((_kept(hidden.detach(), into), _kept(index.detach(), into)))
             else:
                 x = args[0] if args else kwargs["input"]
                 source.setdefault(_name, (x.data_ptr(), tuple(x.shape), x.stride()))
-                seen[_name].append(x.detach().reshape(-1, x.shape[-1]))
+                seen[_name].append(_kept(x.detach().reshape(-1, x.shape[-1]), into))
             pending.discard(_name)
             if not pending:
                 raise StopForward
@@ -465,6 +582,5 @@ def capture_stage(layer: torch.nn.Module, calls: list[Call], members: list[A.Mem
     return StageInputs(seen, source)
 
 
-@torch.no_grad()
-def forward_layer(layer: torch.nn.Module, calls: list[Call]) -> list[torch.Tensor]:
-    return [A.layer_output(layer(*c.args, **c.kwargs)).detach() for c in calls]
+def _kept(x: torch.Tensor, into: torch.device | None) -> torch.Tensor:
+    return x if into is None else x.to(into)

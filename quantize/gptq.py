@@ -71,6 +71,12 @@ class QuantResult:
     def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return pack_gptq_v1(self.codes, self.zeros, self.scales, self.group_size, bias)
 
+    @classmethod
+    def unpack(cls, packed: dict[str, torch.Tensor], in_features: int) -> QuantResult:
+        """The result `pack` stored (its method is not stored: "gptq")."""
+        codes, zeros, scales, g = unpack_gptq_v1(packed)
+        return cls(codes[:, :in_features].contiguous(), zeros, scales, g, "gptq")
+
 
 class GPTQSolver:
     """GPTQ for one run's parameters (bits, group size, damping) on one device."""

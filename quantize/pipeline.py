@@ -1,14 +1,17 @@
-"""`orin-omni quantize`: GPTQ INT4 of Qwen3-Omni, one segment (one shard of a standard GPTQ directory, see
-orin.checkpoint_layout) at a time, resumable.
+"""`orin-omni quantize`: GPTQ INT4 of Qwen3-Omni in bounded memory, one segment (one shard of a standard GPTQ
+directory, see orin.checkpoint_layout) at a time, resumable at layer granularity.
 
-Order of work: validate everything that can be validated cheaply (the model dir, the split, bits and group
-size against the model's dims, the output dir, every calibration entry and its media) before loading weights;
-run the BF16 model once over the calibration set (the thinker pass and, when a speech-side stack is needed, the
-speech pass: see quantize/capture.py); then, per unfinished segment in split order: GPTQ its stacks layer by
-layer (quantize/sequential.py), measure it against BF16 on held-out conversations, write its shard atomically
-and only then add its manifest entry and its report. A conversation the processor cannot encode or
-the model fails on in a pass is skipped with a warning and listed in the report (quantize/calibration.py says
-when too few are left).
+Order of work: validate everything that can be validated cheaply (the model dir and its weights' names and shapes,
+the split, bits and group size against the model's dims, the output dir, every calibration entry and its media),
+encode the calibration set, then plan the run's memory (quantize/memory.py) before loading any weight, refusing
+limits it cannot keep. The model is never loaded whole: quantize/weights.py fills a meta-device skeleton one module
+at a time from the checkpoint's safetensors files. The BF16 passes run once over the calibration set (the thinker
+pass and, when a speech-side stack is needed, the speech pass: quantize/capture.py), their results saved to
+OUT/.partial (quantize/partial.py); then, per unfinished segment in split order: GPTQ its stacks layer by layer
+(quantize/sequential.py), each layer checkpointed as it finishes, measure it against BF16 on held-out
+conversations, write its shard tensor by tensor and only then add its manifest entry and its report. A
+conversation the processor cannot encode or the model fails on in a pass is skipped with a warning and listed in
+the report (quantize/calibration.py says when too few are left).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from orin import __version__
 from orin import components as C
 from orin.device import pick_device
-from orin.errors import InputError, ModelError, UsageError
+from orin.errors import BudgetError, InputError, ModelError, UsageError
 from orin.layout import QuantSpec
 from orin.manifest import (
     SCHEMA_VERSION,
@@ -40,6 +43,7 @@ from orin.manifest import (
     write_segment_entry,
 )
 
+from .memory import DEFAULT_MAX_GPU_MEMORY, DEFAULT_MAX_HOST_MEMORY
 from .progress import Progress
 from .skips import BUILTIN_SOURCE, Skips
 
@@ -75,6 +79,9 @@ class QuantConfig:
     sym: bool = True  # symmetric 4-bit: what vLLM's GPTQ kernels take; --asym measures lower error on some layers
     served_model_name: str | None = None  # the model id `serve` answers to; None: qwen3-omni-int<bits>
     progress: bool | None = None  # None: bars when stderr is a terminal
+    max_gpu_memory: int = DEFAULT_MAX_GPU_MEMORY  # bytes; the memory plan keeps the run under both
+    max_host_memory: int = DEFAULT_MAX_HOST_MEMORY
+    activations: str | None = None  # "device", "host" or "disk": where calibration activations live; None: planned
 
     @property
     def spec(self) -> QuantSpec:
@@ -91,12 +98,32 @@ def quantizer_name() -> str:
     return f"gptqmodel {PINNED['gptqmodel']}"
 
 
+@dataclass(frozen=True)
+class QuantizeRun:
+    manifest: Manifest
+    figures: dict  # the run's memory plan, wall time per stage and memory peaks (empty when nothing was to do)
+
+
 def run_quantize(cfg: QuantConfig) -> Manifest:
     """Quantize the unfinished (or, with force, all) requested segments of cfg.model into cfg.out."""
+    return quantize_run(cfg).manifest
+
+
+def quantize_run(cfg: QuantConfig) -> QuantizeRun:
+    """run_quantize, with the run's figures (`orin-omni quantize --json` prints them)."""
+    from .meter import RunMeter
+
     log = Progress(cfg.progress)
     plan = _validate(cfg)
+    meter = RunMeter(plan["device"])
     with _exclusive(plan["out"]):
-        return _run(cfg, plan, log)
+        manifest, memory = _run(cfg, plan, log, meter)
+    figures = {} if memory is None else {"memory_plan": memory.to_json(), **meter.figures()}
+    if figures:
+        from .report import update_run
+
+        update_run(cfg.out, figures)
+    return QuantizeRun(manifest, figures)
 
 
 @contextlib.contextmanager
@@ -119,7 +146,7 @@ def _exclusive(out: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
+def _run(cfg: QuantConfig, plan: dict, log: Progress, meter) -> tuple[Manifest, object]:
     out, split = plan["out"], plan["split"]
     manifest, wipe = _resume_state(cfg, out, plan["config_sha"], split)
     if manifest is not None and cfg.served_model_name not in (None, manifest.served_model_name):
@@ -133,7 +160,7 @@ def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
         verify_files(out, manifest, done)
         log.log(f"skipping finished segment(s) {', '.join(done)} (checksums verified; --force redoes them)")
     if not todo:
-        return manifest
+        return manifest, None
     # Every calibration entry and its media are checked, and every conversation encoded, before anything in OUT
     # changes.
     convs = _calibration(cfg, log)
@@ -142,25 +169,56 @@ def _run(cfg: QuantConfig, plan: dict, log: Progress) -> Manifest:
     skips = Skips(log.log)
     samples = _encode(cfg, plan, convs, skips)
     _check_modalities(cfg, samples, comps, skipped=len(skips.items))
+    memory = _memory_plan(cfg, plan, samples, comps)
+    log.log(memory.describe())
     if manifest is None:
         manifest = _create_out(cfg, plan, wipe)
-    session = _Session.start(cfg, plan, comps, samples, skips, log)
-    for name in todo:
-        if name in manifest.segments:
-            manifest = remove_segment_entry(out, name)
-        manifest = session.quantize_segment(name, split[name])
-    return manifest
+    from .memory import enforce_gpu_limit, release_gpu_limit
+
+    enforce_gpu_limit(plan["device"], cfg.max_gpu_memory)
+    try:
+        session = _Session.start(cfg, plan, comps, samples, skips, log, memory, meter)
+        for name in todo:
+            if name in manifest.segments:
+                manifest = remove_segment_entry(out, name)
+            manifest = session.quantize_segment(name, split[name])
+        if manifest.complete:  # else the passes (and layers of a segment not asked for now) serve a later run
+            session.partial.clear()
+    except _oom_errors() as exc:
+        raise _over_limit(cfg, plan, exc) from exc
+    finally:
+        release_gpu_limit(plan["device"])
+    return manifest, memory
+
+
+def _oom_errors() -> tuple[type[BaseException], ...]:
+    import torch
+
+    return (torch.OutOfMemoryError,)
+
+
+def _over_limit(cfg: QuantConfig, plan: dict, exc: BaseException) -> BudgetError:
+    from orin.units import format_bytes
+
+    return BudgetError(f"the run went past --max-gpu-memory {format_bytes(cfg.max_gpu_memory)} on {plan['device']} "
+                       f"(the memory plan underestimated it: {str(exc).splitlines()[0][:200]}); raise "
+                       "--max-gpu-memory, or rerun the same command: it resumes at the layer it was in")
 
 
 @dataclass
 class _Session:
-    """The loaded BF16 model, the calibration samples and everything the BF16 passes recorded."""
+    """The model's skeleton, what of it is loaded, the calibration samples and everything the BF16 passes
+    recorded."""
 
     cfg: QuantConfig
     plan: dict
     log: Progress
+    meter: object
+    memory: object
+    partial: object
     calibration: dict  # the split into calibration and held-out conversations, the passes and the skips
     model: object
+    residency: object
     samples: list
     targets: list
     by_stack: dict
@@ -171,53 +229,46 @@ class _Session:
     talker_refs: dict
 
     @classmethod
-    def start(cls, cfg: QuantConfig, plan: dict, comps: set[str], samples: list, skips: Skips, log: Progress
-              ) -> _Session:
+    def start(cls, cfg: QuantConfig, plan: dict, comps: set[str], samples: list, skips: Skips, log: Progress,
+              memory, meter) -> _Session:
         import torch
 
         from orin.layout import find_targets
 
         from . import adapters as A
-        from .capture import SpeechSettings, capture_speech_pass, capture_thinker_pass
-        from .skips import PassRunner
+        from .activations import Placement
+        from .partial import PartialState
+        from .weights import Residency
 
-        calibration = _calib_info(cfg, samples)
         torch.manual_seed(cfg.seed)
         device = plan["device"]
-        model = _load_model(plan["model_dir"], plan["config"], device)
+        model = plan["skeleton_hf"]
         targets = find_targets(model, cfg.spec)
         by_stack, tail = A.group_targets(targets)
         stacks = {s for s in by_stack if s in comps} | ({"thinker_text"} & comps if tail else set())
-        log.log(f"calibration: {calibration['conversations']} conversations, {calibration['heldout']} held out for "
-                f"the report; device {device}")
-        runner = PassRunner(_source(cfg), skips, log)
-        passes: dict = {}
+        residency = Residency(model, plan["source"], device, targets, meter)
+        partial = PartialState(plan["out"], _run_key(cfg, plan, samples), Placement(memory.activations, device),
+                               log.log)
         thinker_side = bool(comps & {"thinker_text", "vision_encoder", "audio_encoder"})
-        data, thinker_refs, thinker_pass = capture_thinker_pass(model, samples, stacks & set(A.THINKER_PASS),
-                                                                thinker_side, runner)
-        if thinker_pass is not None:
-            passes["thinker"] = thinker_pass.to_json()
-            samples = [s for s in samples if s not in thinker_pass.skipped]  # a broken conversation stays out
-        talker_refs: dict = {}
-        if stacks & set(A.SPEECH_PASS) or "talker" in comps:
-            if not getattr(model, "has_talker", False):
-                raise ModelError(f"{plan['model_dir']}: the config has enable_audio_output false (no talker); "
-                                 "leave the speech components out of --segments")
-            log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
-            settings = SpeechSettings(cfg.reply_tokens, cfg.speech_frames, cfg.min_speech_frames,
-                                      cfg.speech_samples)
-            speech, talker_refs, speech_pass = capture_speech_pass(model, samples, stacks & set(A.SPEECH_PASS),
-                                                                   settings, "talker" in comps, runner)
-            passes["speech"] = speech_pass.to_json()
-            data.update(speech)
-        if skips.items:
-            log.log(f"{len(skips.items)} calibration conversation(s) skipped; report.json lists them with the reasons")
-        calibration.update(passes=passes, **skips.to_json())
-        return cls(cfg, plan, log, calibration, model, samples, targets, by_stack, tail, stacks, data,
-                   thinker_refs, talker_refs)
+        speech = bool(stacks & set(A.SPEECH_PASS)) or "talker" in comps
+        wanted = (stacks & set(A.THINKER_PASS)) | (stacks & set(A.SPEECH_PASS))
+        state = partial.load_passes(wanted, thinker_side, "talker" in comps)
+        if state is not None:
+            log.log(f"resuming: the BF16 passes' results are read back from {partial.root}")
+        else:
+            state = _passes(cfg, plan, model, residency, partial, samples, skips, log, memory, meter, stacks,
+                            thinker_side, speech, "talker" in comps)
+            partial.save_passes(state, thinker_side, "talker" in comps)
+        kept = set(state.samples)
+        samples = [s for s in samples if s.name in kept]
+        return cls(cfg, plan, log, meter, memory, partial, state.calibration, model, residency, samples, targets,
+                   by_stack, tail, stacks, state.data, state.thinker_refs, state.talker_refs)
 
     def quantize_segment(self, name: str, comps: tuple[str, ...]) -> Manifest:
         """GPTQ the segment's stacks in pipeline order, measure it, write its shard, then add its entry."""
+        from orin.checkpoint import int4_module_of
+        from orin.checkpoint_layout import read_header
+
         from . import adapters as A
         from .gptq import GPTQSolver
         from .report import segment_report, update_report
@@ -226,34 +277,87 @@ class _Session:
         cfg = self.cfg
         started = utc_now()
         self.log.log(f"segment {name}: {' + '.join(comps)}")
-        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, next(self.model.parameters()).device, cfg.sym)
+        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, self.plan["device"], cfg.sym)
         opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts, cfg.sym)
-        tensors, types, starved, quantized = {}, {}, [], []
-        for comp in (c for c in C.PIPELINE if c in comps and c in self.stacks):
+        checkpoints = self.partial.checkpoints(name)
+        types, starved, quantized = {}, [], []
+        done = [c for c in C.PIPELINE if c in comps and c in self.stacks]
+        for comp in done:
             stack_data = self.data.get(comp)
-            if stack_data is None or not stack_data.calib:
+            if stack_data is None or not len(stack_data.calib):
                 raise InputError(f"{_source(cfg)}: no calibration input reached the "
                                  f"{C.BY_NAME[comp].title}; add conversations that use it")
-            result = StackQuantizer(self.model, A.STACK_OF[comp], solver, opts, self.log).run(
+            result = StackQuantizer(self.model, A.STACK_OF[comp], solver, opts, self.log, self.residency,
+                                    checkpoints, self.meter).run(
                 self.by_stack.get(comp, {}), self.tail if comp == "thinker_text" else [], stack_data,
                 f"GPTQ {name}/{comp}")
-            tensors.update(result.tensors)
             types.update(result.types)
             starved += result.starved
             quantized += result.quantized
-        metrics = _metrics(self.model, self.samples, tuple(c for c in comps if c in self.stacks), self.thinker_refs,
-                           self.talker_refs)
+            for file in checkpoints.gptq_files(comp):  # what the model runs with from now on in this run
+                for module in {int4_module_of(key) for key in read_header(file)} - {None}:
+                    self.residency.quantized.add(module, file)
+        with self.meter.stage("metrics"):
+            metrics = _metrics(self.model, self.residency, self.samples,
+                               tuple(c for c in comps if c in self.stacks), self.thinker_refs, self.talker_refs,
+                               self.log)
         calibration = self.calibration
-        done = set(quantized)
-        entry = _write(Path(cfg.out), name, comps, self.model, [t for t in self.targets if t.path in done], tensors,
-                       cfg, started, {"calibration": calibration}, self.plan["targets"])
-        manifest = write_segment_entry(cfg.out, entry)
-        update_report(cfg.out, name, segment_report(types, starved, metrics, calibration),
-                      {"model": str(self.plan["model_dir"]), "quantization": cfg.spec.describe(),
-                       "tool_version": __version__})
+        finished = set(quantized)
+        with self.meter.stage("writing"):
+            entry = _write(Path(cfg.out), name, comps, self, [t for t in self.targets if t.path in finished],
+                           [f for c in done for f in checkpoints.gptq_files(c)], started,
+                           {"calibration": calibration}, self.plan["targets"])
+            manifest = write_segment_entry(cfg.out, entry)
+            update_report(cfg.out, name, segment_report(types, starved, metrics, calibration),
+                          {"model": str(self.plan["model_dir"]), "quantization": cfg.spec.describe(),
+                           "tool_version": __version__})
+        shard = Path(cfg.out) / entry.files[0].path
+        for path in list(self.residency.quantized.targets):  # the layer checkpoints go: read the shard instead
+            if C.component_of(path) in comps:
+                self.residency.quantized.add(path, shard, hub=True)
+        self.partial.drop_segment(name)
         self.log.log(f"segment {name} written: {entry.total_bytes / 2**20:.1f} MiB ({len(quantized)} INT4 modules, "
                      f"{len(starved)} starved experts)")
         return manifest
+
+
+def _passes(cfg: QuantConfig, plan: dict, model, residency, partial, samples: list, skips: Skips, log: Progress,
+            memory, meter, stacks: set, thinker_side: bool, speech: bool, talker_reference: bool):
+    """The BF16 passes over the calibration set (see quantize/capture.py)."""
+    from . import adapters as A
+    from .capture import SpeechSettings, SpeechStreaming, capture_speech_pass, capture_thinker_pass
+    from .partial import PassState
+    from .skips import PassRunner
+
+    calibration = _calib_info(cfg, samples)
+    log.log(f"calibration: {calibration['conversations']} conversations, {calibration['heldout']} held out for "
+            f"the report; device {plan['device']}")
+    runner = PassRunner(_source(cfg), skips, log)
+    passes: dict = {}
+    with meter.stage("calibration_forward"):
+        data, thinker_refs, thinker_pass = capture_thinker_pass(model, residency, samples,
+                                                                stacks & set(A.THINKER_PASS), thinker_side, runner,
+                                                                partial.new_data, partial.keep_logits)
+        if thinker_pass is not None:
+            passes["thinker"] = thinker_pass.to_json()
+            samples = [s for s in samples if s not in thinker_pass.skipped]  # a broken conversation stays out
+        talker_refs: dict = {}
+        if speech:
+            if not getattr(model, "has_talker", False):
+                raise ModelError(f"{plan['model_dir']}: the config has enable_audio_output false (no talker); "
+                                 "leave the speech components out of --segments")
+            log.log("speech pass: generating replies and speech with the BF16 model to calibrate the talker side")
+            settings = SpeechSettings(cfg.reply_tokens, cfg.speech_frames, cfg.min_speech_frames,
+                                      cfg.speech_samples)
+            speech_data, talker_refs, speech_pass = capture_speech_pass(
+                model, residency, samples, stacks & set(A.SPEECH_PASS), settings, talker_reference, runner,
+                partial.new_data, SpeechStreaming(memory.speech_wave, memory.keep_layers))
+            passes["speech"] = speech_pass.to_json()
+            data.update(speech_data)
+    if skips.items:
+        log.log(f"{len(skips.items)} calibration conversation(s) skipped; report.json lists them with the reasons")
+    calibration.update(passes=passes, **skips.to_json())
+    return PassState(data, thinker_refs, talker_refs, calibration, [s.name for s in samples])
 
 
 # ---------------------------------------------------------------------- validation and OUT
@@ -291,12 +395,25 @@ def _validate(cfg: QuantConfig) -> dict:
     targets = find_targets(skeleton, cfg.spec)
     check_group_size(targets, cfg.group_size, cfg.bits)
     device = pick_device(cfg.device)
+    for flag, value in (("--max-gpu-memory", cfg.max_gpu_memory), ("--max-host-memory", cfg.max_host_memory)):
+        if value <= 0:
+            raise UsageError(f"{flag} must be a positive size, e.g. 16GiB")
+    from .activations import PLACEMENTS
+
+    if cfg.activations not in (None, *PLACEMENTS):
+        raise UsageError(f"--activations {cfg.activations!r}: use auto, {', '.join(PLACEMENTS)}")
+    from .weights import SourceWeights, build_skeleton
+
+    skeleton_hf = build_skeleton(config)
+    source = SourceWeights(model_dir)
+    source.check_covers(skeleton_hf)
     config_sha = hashlib.sha256(config_path(model_dir).read_bytes()).hexdigest()
     out = Path(cfg.out)
     if out.resolve() == model_dir.resolve():
         raise UsageError("--out must not be the model directory")
     return {"split": split, "names": names, "model_dir": model_dir, "config": config, "config_sha": config_sha,
-            "out": out, "device": device, "skeleton": skeleton, "targets": targets}
+            "out": out, "device": device, "skeleton": skeleton, "targets": targets, "skeleton_hf": skeleton_hf,
+            "source": source}
 
 
 def _quantization(cfg: QuantConfig) -> dict:
@@ -403,9 +520,11 @@ def _source(cfg: QuantConfig) -> str:
 
 
 def _encode(cfg: QuantConfig, plan: dict, convs: list, skips: Skips) -> list:
-    """The conversations as model inputs on the device, the held-out ones marked; those the processor cannot
+    """The conversations as model inputs (in host memory), the held-out ones marked; those the processor cannot
     encode are skipped. Conversations with videos go through orin.inputs' processor (transformers' video processor
     needs torchvision), the others through transformers'."""
+    import torch
+
     from orin.processor import build_processor
 
     from .calibration import hold_out, to_samples
@@ -415,7 +534,8 @@ def _encode(cfg: QuantConfig, plan: dict, convs: list, skips: Skips) -> list:
         from orin.inputs.processor import Processor
 
         video_processor = Processor.from_dir(plan["model_dir"])
-    samples = to_samples(build_processor(plan["model_dir"]), convs, plan["device"], skips, video_processor)
+    # in host memory: each conversation's inputs go to the device when it runs (a video's pixels are 0.1 GiB)
+    samples = to_samples(build_processor(plan["model_dir"]), convs, torch.device("cpu"), skips, video_processor)
     hold_out(_source(cfg), convs, samples, skips)
     return samples
 
@@ -431,51 +551,103 @@ def _calib_info(cfg: QuantConfig, samples: list) -> dict:
             "heldout": len(heldout), "heldout_names": heldout, "modalities": modalities}
 
 
-# ---------------------------------------------------------------------- model
+# ---------------------------------------------------------------------- memory and resuming
 
 
-def _load_model(model_dir: Path, config, device):
-    """The BF16 model on `device`. The capture passes run the whole model, so it must fit there (about 70 GB
-    for Qwen3-Omni-30B-A3B)."""
+def _memory_plan(cfg: QuantConfig, plan: dict, samples: list, comps: set[str]):
+    from orin.layout import find_targets
+
+    from . import adapters as A
+    from .capture import SpeechSettings
+    from .memory import make_plan, measure
+    from .meter import host_rss_now
+
+    model = plan["skeleton_hf"]
+    targets = find_targets(model, cfg.spec)
+    by_stack, tail = A.group_targets(targets)
+    stacks = {s for s in by_stack if s in comps} | ({"thinker_text"} & comps if tail else set())
+    settings = SpeechSettings(cfg.reply_tokens, cfg.speech_frames, cfg.min_speech_frames, cfg.speech_samples)
+    sizes = measure(model, plan["config"], samples, stacks, comps, targets, settings)
+    thinker_side = bool(comps & {"thinker_text", "vision_encoder", "audio_encoder"})
+    speech = bool(stacks & set(A.SPEECH_PASS)) or "talker" in comps
+    max_gpu = cfg.max_gpu_memory
+    if plan["device"].type == "cuda":  # a limit above the card is the card
+        import torch
+
+        max_gpu = min(max_gpu, torch.cuda.get_device_properties(plan["device"]).total_memory)
+    return make_plan(sizes, plan["device"].type, max_gpu, cfg.max_host_memory, host_rss_now(), stacks,
+                     thinker_side, speech, cfg.activations)
+
+
+def _run_key(cfg: QuantConfig, plan: dict, samples: list) -> str:
+    """What a partial state must have been computed from to be used: the weights, config and calibration data,
+    every setting that changes a number, the code's and libraries' versions and the device."""
     import torch
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+    import transformers
 
-    placement = {"device_map": {"": str(device)}} if device.type == "cuda" else {}
-    try:
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(model_dir), config=config,
-                                                                      dtype=torch.bfloat16, **placement)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise ModelError(f"{model_dir}: cannot load the weights ({exc})") from exc
-    return model.eval().to(device)
+    from .adapters import PINNED
+    from .partial import inputs_digest, run_key
+    from .weights import source_files
+
+    device = plan["device"]
+    files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in source_files(plan["model_dir"])]
+    return run_key({
+        "tool": __version__, "config_sha256": plan["config_sha"], "weights": files,
+        "quantization": _quantization(cfg), "split": {k: list(v) for k, v in plan["split"].items()},
+        "calibration": inputs_digest(samples),
+        "settings": {k: getattr(cfg, k) for k in ("samples", "min_expert_tokens", "starved_experts", "seed",
+                                                  "reply_tokens", "speech_frames", "min_speech_frames",
+                                                  "speech_samples", "calib")},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, **PINNED},
+        "device": [device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else ""],
+    })
 
 
-def _metrics(model, samples, comps: tuple[str, ...], thinker_refs: dict, talker_refs: dict) -> dict:
-    from .capture import run_thinker, talker_codes
-    from .report import codec_metrics, encoder_metric, logits_metrics
+# ---------------------------------------------------------------------- measuring
+
+
+def _metrics(model, residency, samples, comps: tuple[str, ...], thinker_refs: dict, talker_refs: dict,
+             progress) -> dict:
+    """The segment's end-to-end measures on the held-out conversations, the model as quantized so far in this
+    run (quantize.weights.QuantizedStore) against the BF16 references."""
+    from .activations import materialize, tree_to
+    from .capture import THINKER_SHELL, ThinkerOutputs, talker_codes, thinker_logits, thinker_prefix
+    from .report import LogitsAgreement, codec_metrics, encoder_metric
 
     metrics: dict = {}
     thinker_side = {"thinker_text", "vision_encoder", "audio_encoder"} & set(comps)
     if thinker_side and thinker_refs:
-        now = {s.name: run_thinker(model, s.inputs) for s in samples if s.name in thinker_refs}
+        by_name = {s.name: s for s in samples}
+        held = [by_name[name] for name in thinker_refs if name in by_name]  # the references' order
+        with residency.loaded(*THINKER_SHELL, quantized=True):
+            prefixes = [thinker_prefix(model, tree_to(s.inputs, residency.device), {}) for s in held]
+        now = {s.name: ThinkerOutputs(None, enc.get("vision"), enc.get("audio"))
+               for s, (_calls, _text, enc) in zip(held, prefixes, strict=True)}
         if "thinker_text" in comps:
-            metrics.update(logits_metrics(thinker_refs, now))
+            agreement = LogitsAgreement()
+            logits = thinker_logits(model, residency, [text for _calls, text, _enc in prefixes], True, progress,
+                                    "measuring: held-out logits")
+            for s, lg in zip(held, logits, strict=True):
+                agreement.add(materialize(thinker_refs[s.name].logits), lg)
+            metrics.update(agreement.to_json())
         if "vision_encoder" in comps:
             metrics.update(encoder_metric(thinker_refs, now, "vision"))
         if "audio_encoder" in comps:
             metrics.update(encoder_metric(thinker_refs, now, "audio"))
     if "talker" in comps and talker_refs:
-        now_codes = {name: talker_codes(model, seq)[0] for name, (seq, _codes) in talker_refs.items()}
+        with residency.loaded("talker.model", "talker.codec_head", quantized=True):
+            now_codes = {name: talker_codes(model, seq)[0] for name, (seq, _codes) in talker_refs.items()}
         metrics.update(codec_metrics({n: c for n, (_s, c) in talker_refs.items()}, now_codes))
     return metrics
 
 
-def _write(out: Path, name: str, comps: tuple[str, ...], model, targets: list, tensors: dict, cfg: QuantConfig,
+def _write(out: Path, name: str, comps: tuple[str, ...], session: _Session, targets: list, gptq_files: list,
            started: str, extra: dict, planned: list) -> SegmentEntry:
     """Write the segment's shard; `targets` are the INT4 modules quantized in it (model order), which must be
     the ones config.json's quantization_config promised (`planned`, the whole split's)."""
     from orin.checkpoint_layout import segment_shards
 
-    from .writer import segment_state, write_shard
+    from .writer import shard_plan, write_shard
 
     promised = {t.path for t in planned if t.component in comps}
     if {t.path for t in targets} != promised:
@@ -485,8 +657,8 @@ def _write(out: Path, name: str, comps: tuple[str, ...], model, targets: list, t
     manifest = read_manifest(out)
     shards = segment_shards(manifest.split)
     finished = [shards[n] for n in manifest.finished if n != name]
-    state = segment_state(model, comps, targets, tensors)
-    file, payload = write_shard(out, shards[name], state, finished)
+    tensors = shard_plan(session.model, session.residency.source, comps, targets, gptq_files)
+    file, payload = write_shard(out, shards[name], tensors, finished)
     return SegmentEntry(name=name, components=tuple(comps), files=(file,),
                         total_bytes=file.bytes, int4_bytes=payload,
                         quantized_modules=tuple(t.path for t in targets), started_at=started, finished_at=utc_now(),

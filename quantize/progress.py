@@ -39,9 +39,9 @@ def _clock_text(seconds: float) -> str:
 class _Lines:
     """A line after the first item, after each `every` percent step and after the last item."""
 
-    def __init__(self, total: int, desc: str, stream, every: int, clock: Callable[[], float]):
+    def __init__(self, total: int, desc: str, stream, every: int, clock: Callable[[], float], initial: int = 0):
         self.total, self.desc, self.stream, self.every, self.clock = total, desc, stream, every, clock
-        self.done = 0
+        self.done = self.initial = initial  # items done before this run (a resumed stack): not in the rate
         self.printed_step = -1
         self.start = clock()
 
@@ -65,7 +65,7 @@ class _Lines:
         if self.done >= self.total:
             line = f"{head} in {_clock_text(elapsed)}"
         else:
-            left = elapsed / self.done * (self.total - self.done)
+            left = elapsed / (self.done - self.initial) * (self.total - self.done)
             line = f"{head}, {_clock_text(elapsed)} elapsed, about {_clock_text(left)} left"
         print(line, file=self.stream, flush=True)
 
@@ -82,18 +82,20 @@ class Progress:
         self.clock = clock
 
     @contextlib.contextmanager
-    def bar(self, total: int, desc: str, leave: bool = True, unit: str = "it") -> Iterator:
+    def bar(self, total: int, desc: str, leave: bool = True, unit: str = "it", initial: int = 0) -> Iterator:
         """An object with update(n) (n more items done) and grow(n) (n more items to do). Without a terminal,
-        a bar that does not stay (leave=False: the inner per-layer bars) prints nothing."""
-        if total <= 0 or (not self.enabled and not leave):
+        a bar that does not stay (leave=False: the inner per-layer bars) prints nothing. `initial`: items done
+        already (a resumed run); the time left is estimated from this run's pace only."""
+        if total <= 0 or initial >= total or (not self.enabled and not leave):
             yield _NoBar()
             return
         if not self.enabled:
-            yield _Lines(total, desc, self.stream, self.every, self.clock)
+            yield _Lines(total, desc, self.stream, self.every, self.clock, initial)
             return
         from tqdm import tqdm
 
-        with tqdm(total=total, desc=desc, leave=leave, file=self.stream, dynamic_ncols=True, unit=unit) as bar:
+        with tqdm(total=total, desc=desc, leave=leave, file=self.stream, dynamic_ncols=True, unit=unit,
+                  initial=initial) as bar:
             yield _TqdmBar(bar)
 
     def track(self, items, total: int | None = None, desc: str = "", unit: str = "it") -> Iterator:

@@ -34,18 +34,36 @@ def _cosine_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
+LOGIT_ROWS = 1024  # positions compared at a time: a long conversation's logits in float32 are gigabytes
+
+
+class LogitsAgreement:
+    """Per-position cosine and top-1 agreement of thinker logits, added one conversation at a time."""
+
+    def __init__(self):
+        self.cos, self.agree, self.positions, self.conversations = 0.0, 0, 0, 0
+
+    def add(self, ref: torch.Tensor, now: torch.Tensor) -> None:
+        for r in range(0, ref.shape[0], LOGIT_ROWS):
+            a, b = ref[r:r + LOGIT_ROWS], now[r:r + LOGIT_ROWS]
+            self.cos += float(_cosine_rows(a, b).sum())
+            self.agree += int((a.float().argmax(-1) == b.float().argmax(-1)).sum())
+        self.positions += ref.shape[0]
+        self.conversations += 1
+
+    def to_json(self) -> dict:
+        if not self.positions:
+            return {}
+        return {"logits_cosine": self.cos / self.positions, "top1_agreement": self.agree / self.positions,
+                "positions": self.positions, "conversations": self.conversations}
+
+
 def logits_metrics(reference: dict, current: dict) -> dict:
     """Mean per-position cosine and top-1 agreement of thinker logits over the held-out conversations."""
-    cos, agree, positions = 0.0, 0, 0
+    agreement = LogitsAgreement()
     for name, ref in reference.items():
-        now = current[name]
-        cos += float(_cosine_rows(ref.logits, now.logits).sum())
-        agree += int((ref.logits.float().argmax(-1) == now.logits.float().argmax(-1)).sum())
-        positions += ref.logits.shape[0]
-    if not positions:
-        return {}
-    return {"logits_cosine": cos / positions, "top1_agreement": agree / positions, "positions": positions,
-            "conversations": len(reference)}
+        agreement.add(ref.logits, current[name].logits)
+    return agreement.to_json()
 
 
 def encoder_metric(reference: dict, current: dict, attr: str) -> dict:
@@ -101,6 +119,13 @@ def update_report(out: str | Path, segment: str, entry: dict, header: dict) -> d
     report["segments"][segment] = entry
     atomic_write_json(Path(out) / REPORT_NAME, report)
     return report
+
+
+def update_run(out: str | Path, figures: dict) -> None:
+    """Record the last run's figures (memory plan, wall time per stage, memory peaks) in OUT/report.json."""
+    report = load_report(out) or {"segments": {}}
+    report["run"] = figures
+    atomic_write_json(Path(out) / REPORT_NAME, report)
 
 
 def drop_segments(out: str | Path, keep: set[str]) -> None:

@@ -4,7 +4,12 @@ modules before it, and layer i+1 is calibrated on layer i's quantized output. Er
 unseen: every module compensates for the quantization upstream of it.
 
 Quantized weights are written back into the live model as their exact dequantized values (what the device
-computes), so later stages and layers see them; the GPTQ v1 tensors are kept for the checkpoint.
+computes), so later stages and layers see them; the GPTQ v1 tensors are kept for the checkpoint. On the streamed
+model (quantize/weights.py) each layer is loaded in BF16 just before its turn and released after it, and a layer
+checkpoint (quantize/partial.py) takes its GPTQ tensors, the report's figures so far and the next layer's inputs,
+so a killed run resumes at the layer it was in. Calibration activations stay where the memory plan put them
+(quantize/activations.py); what a stage captures from them is kept there too, and moved to the compute device
+only where it is used, so the numbers are the same wherever they are kept.
 
 Experts: each routed expert of a fused experts module gets its own Hessian from the calibration tokens the
 router (running on the quantized upstream) sends to it. An expert with fewer than `min_expert_tokens` tokens
@@ -15,6 +20,7 @@ starved="rtn" it is rounded to nearest. The report lists each starved expert wit
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +28,8 @@ import torch
 from orin.layout import Target
 
 from . import adapters as A
-from .capture import Call, StackData, StageInputs, capture_stage, forward_layer
+from .activations import StackData
+from .capture import StageInputs, capture_stage
 from .gptq import ErrorSums, GPTQSolver, QuantResult, output_error, rtn
 
 STARVED_POLICIES = ("all-tokens", "rtn")
@@ -64,15 +71,49 @@ class StackResult:
     def stats(self, layer_type: str) -> TypeStats:
         return self.types.setdefault(layer_type, TypeStats())
 
+    def state(self) -> dict:
+        """Everything but the tensors, exactly (JSON floats round-trip): what a layer checkpoint records."""
+        return {"quantized": list(self.quantized), "starved": list(self.starved),
+                "types": {name: {"gptq": vars(t.gptq), "rtn": vars(t.rtn), "rtn_other": vars(t.rtn_other),
+                                 "modules": t.modules, "rtn_modules": t.rtn_modules, "calib_rows": t.calib_rows}
+                          for name, t in self.types.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> StackResult:
+        types = {name: TypeStats(ErrorSums(**t["gptq"]), ErrorSums(**t["rtn"]), ErrorSums(**t["rtn_other"]),
+                                 t["modules"], t["rtn_modules"], t["calib_rows"])
+                 for name, t in state["types"].items()}
+        return cls({}, list(state["quantized"]), types, list(state["starved"]))
+
 
 class StackQuantizer:
-    def __init__(self, model, stack: A.StackSpec, solver: GPTQSolver, opts: StackOptions, progress):
+    """GPTQ of one stack. `residency` (quantize.weights.Residency) loads each layer before its turn and releases
+    it after; None for a model whose weights are all loaded. `checkpoints` (quantize.partial.StackCheckpoints)
+    records each finished layer so a killed run resumes at the next one, and takes its GPTQ tensors out of
+    memory; None keeps them in `result.tensors`. `meter` (quantize.meter.RunMeter) times the stages."""
+
+    def __init__(self, model, stack: A.StackSpec, solver: GPTQSolver, opts: StackOptions, progress,
+                 residency=None, checkpoints=None, meter=None):
         self.model = model
         self.stack = stack
         self.solver = solver
         self.opts = opts
         self.progress = progress
+        self.residency = residency
+        self.checkpoints = checkpoints
+        self.meter = meter
         self.result = StackResult()
+
+    def _stage_timer(self, name: str):
+        return self.meter.stage(name) if self.meter is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _loaded(self, *prefixes: str):
+        if self.residency is None:
+            yield
+            return
+        with self.residency.loaded(*prefixes):
+            yield
 
     # ------------------------------------------------------------------ the stack
 
@@ -80,32 +121,61 @@ class StackQuantizer:
     def run(self, by_layer: dict[int, list[Target]], tail: list[Target], data: StackData, desc: str) -> StackResult:
         layers = self.model.get_submodule(self.stack.layers)
         last = len(layers) - 1 if tail else max(by_layer, default=-1)
-        calib, heldout = list(data.calib), list(data.heldout)
-        with self.progress.bar(last + 1, desc) as bar:
-            for i in range(last + 1):
-                layer = layers[i]
-                stages = A.layer_stages(self.stack, i, by_layer.get(i, []))
-                with self.progress.bar(sum(self._units(layer, s) for s in stages), f"layer {i}", leave=False) as inner:
-                    for stage in stages:
-                        seen = capture_stage(layer, calib, stage)
-                        seen_heldout = capture_stage(layer, heldout, stage)
-                        self._stage(layer, stage, seen, seen_heldout, inner)
-                if i < last or tail:
-                    calib = self._next(layer, i, calib)
-                    heldout = self._next(layer, i, heldout)
+        calib, heldout = data.calib, data.heldout
+        start = 0
+        resumed = self.checkpoints.resume(self.stack.component) if self.checkpoints is not None else None
+        if resumed is not None:
+            start, state, calib, heldout = resumed
+            self.result = StackResult.from_state(state)
+            if start > 0:
+                self.progress.log(f"{desc}: resuming at layer {start} of {last + 1} (the layers before it are "
+                                  "checkpointed)")
+        with self.progress.bar(last + 1, desc, initial=min(start, last + 1), unit="layer") as bar:
+            for i in range(start, last + 1):
+                with self._loaded(f"{self.stack.layers}.{i}"):
+                    layer = layers[i]
+                    stages = A.layer_stages(self.stack, i, by_layer.get(i, []))
+                    with self.progress.bar(sum(self._units(layer, s) for s in stages), f"layer {i}",
+                                           leave=False) as inner:
+                        for stage in stages:
+                            with self._stage_timer("calibration_forward"):
+                                # kept where the calls are kept: host memory unless they stay on the device
+                                seen = capture_stage(layer, calib, stage, calib.placement.holder)
+                                seen_heldout = capture_stage(layer, heldout, stage, heldout.placement.holder)
+                            self._stage(layer, stage, seen, seen_heldout, inner)
+                            del seen, seen_heldout
+                    where = self.checkpoints.layer_dir(self.stack.component, i) if self.checkpoints else None
+                    more = i < last or bool(tail)  # a next layer (or lm_head) reads this one's outputs
+                    if more:
+                        with self._stage_timer("calibration_forward"):
+                            calib = self._next(layer, i, calib, where / "calib" if where else None)
+                            heldout = self._next(layer, i, heldout, where / "heldout" if where else None)
+                if self.checkpoints is not None:
+                    with self._stage_timer("writing"):
+                        self.checkpoints.commit(self.stack.component, i, self.result, calib if more else None,
+                                                heldout if more else None)
                 bar.update(1)
-        if tail:
-            norm = self.model.get_submodule(self.stack.final_norm)
-            for t in tail:
-                module = self.model.get_submodule(t.path)
-                x = [norm(c.hidden).reshape(-1, t.in_features) for c in calib]
-                xh = [norm(c.hidden).reshape(-1, t.in_features) for c in heldout]
-                self._linear(module, t, f"{self.stack.label}.lm_head", x, xh, task=None)
+        if tail and start <= last + 1:
+            norm_path = self.stack.final_norm
+            with self._loaded(norm_path, *[t.path for t in tail]):
+                norm = self.model.get_submodule(norm_path)
+                for t in tail:
+                    module = self.model.get_submodule(t.path)
+                    with self._stage_timer("calibration_forward"):
+                        x = [norm(c.hidden).reshape(-1, t.in_features).to(calib.placement.holder) for c in calib]
+                        xh = [norm(c.hidden).reshape(-1, t.in_features).to(calib.placement.holder)
+                              for c in heldout]
+                    self._linear(module, t, f"{self.stack.label}.lm_head", x, xh, task=None)
+            if self.checkpoints is not None:
+                with self._stage_timer("writing"):
+                    self.checkpoints.commit(self.stack.component, last + 1, self.result, None, None)
         return self.result
 
-    def _next(self, layer, index: int, calls: list[Call]) -> list[Call]:
-        outs = forward_layer(layer, calls)
-        return [c.with_hidden(A.after_layer(self.model, self.stack, index, h, c.extra)) for c, h in zip(calls, outs, strict=True)]
+    def _next(self, layer, index: int, calls, hidden_dir):
+        """The calls of the next layer: this (now quantized) layer's outputs, between-layer steps applied."""
+        outs = (A.after_layer(self.model, self.stack, index, A.layer_output(layer(*c.args, **c.kwargs)).detach(),
+                              c.extra) for c in calls)
+        return calls.with_hidden(outs, hidden_dir)
 
     @staticmethod
     def _units(layer, stage: list[A.Member]) -> int:
@@ -123,11 +193,12 @@ class StackQuantizer:
                 continue
             task = self.solver.task(layer.get_submodule(m.name).weight)
             leader = leaders.setdefault(seen.source[m.name], m.name) if m.name in seen.source else m.name
-            if leader != m.name:
-                task.adopt(tasks[leader])
-            else:
-                for x in seen.inputs[m.name]:
-                    task.add(x)
+            with self._stage_timer("hessians"):
+                if leader != m.name:
+                    task.adopt(tasks[leader])
+                else:
+                    for x in seen.inputs[m.name]:
+                        task.add(x)
             tasks[m.name] = task
         for m in stage:
             module = layer.get_submodule(m.name)
@@ -144,14 +215,18 @@ class StackQuantizer:
         weight = module.weight.detach().float()
         if task is None:
             task = self.solver.task(weight)
-            for part in x:
-                task.add(part)
+            with self._stage_timer("hessians"):
+                for part in x:
+                    task.add(part)
         rows = sum(p.shape[0] for p in x)
-        result = task.solve() if task.nsamples else rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
+        with self._stage_timer("solves"):
+            result = task.solve() if task.nsamples else rtn(weight, self.opts.bits, self.opts.group_size,
+                                                            self.opts.sym)
         self._record(layer_type, weight, result, torch.cat(xh) if xh else None, rows)
-        module.weight.data.copy_(result.dequantize().to(module.weight.dtype))
-        bias = module.bias.detach() if module.bias is not None else None
-        self._store(target.path, result, bias)
+        with self._stage_timer("solves"):
+            module.weight.data.copy_(result.dequantize().to(module.weight.dtype))
+            bias = module.bias.detach() if module.bias is not None else None
+            self._store(target.path, result, bias)
         self.result.quantized.append(target.path)
 
     # ------------------------------------------------------------------ fused experts
@@ -183,7 +258,8 @@ class StackQuantizer:
                         "handled": "GPTQ on all calibration tokens of the layer" if use_gptq else "RTN"})
                 if use_gptq and starved and holder is None:
                     holder = self.solver.task(A.expert_weight(module, e, "gate_proj"))
-                    holder.add(x_all)
+                    with self._stage_timer("hessians"):
+                        holder.add(x_all)
                 self._expert_gate_up(module, m, e, x, xh, holder if starved else None)
             else:
                 self._expert_down(module, m, e, x, xh)
@@ -195,38 +271,49 @@ class StackQuantizer:
         up_w = A.expert_weight(module, e, "up_proj").float()
         if x is not None and x.shape[0]:
             gate_task = self.solver.task(gate_w)
-            if shared is not None:
-                gate_task.adopt(shared)
-            else:
-                gate_task.add(x)
-            up_task = self.solver.task(up_w)
-            up_task.adopt(gate_task)
-            results = gate_task.solve(), up_task.solve()
+            with self._stage_timer("hessians"):
+                if shared is not None:
+                    gate_task.adopt(shared)
+                else:
+                    gate_task.add(x)
+                up_task = self.solver.task(up_w)
+                up_task.adopt(gate_task)
+            with self._stage_timer("solves"):
+                results = gate_task.solve(), up_task.solve()
         else:
-            results = (rtn(gate_w, self.opts.bits, self.opts.group_size, self.opts.sym),
-                       rtn(up_w, self.opts.bits, self.opts.group_size, self.opts.sym))
+            with self._stage_timer("solves"):
+                results = (rtn(gate_w, self.opts.bits, self.opts.group_size, self.opts.sym),
+                           rtn(up_w, self.opts.bits, self.opts.group_size, self.opts.sym))
         rows = x.shape[0] if x is not None else 0
         for proj, w, r in (("gate_proj", gate_w, results[0]), ("up_proj", up_w, results[1])):
             self._record(A.layer_type(self.stack.label, m.name, proj), w, r, xh, rows)
-            A.set_expert_weight(module, e, proj, r.dequantize())
-            self._store(f"{m.path}.{e}.{proj}", r, None)
+            with self._stage_timer("solves"):
+                A.set_expert_weight(module, e, proj, r.dequantize())
+                self._store(f"{m.path}.{e}.{proj}", r, None)
 
     def _expert_down(self, module, m: A.Member, e: int, x, xh) -> None:
         """down_proj of expert e, calibrated on what its (already quantized) gate and up produce for x."""
         gate_q = A.expert_weight(module, e, "gate_proj")
         up_q = A.expert_weight(module, e, "up_proj")
         down_w = A.expert_weight(module, e, "down_proj").float()
+        device = gate_q.device
         if x is not None and x.shape[0]:
             task = self.solver.task(down_w)
-            task.add(A.expert_intermediate(module, x, gate_q, up_q))
-            result = task.solve()
+            with self._stage_timer("hessians"):
+                task.add(A.expert_intermediate(module, x.to(device), gate_q, up_q))
+            with self._stage_timer("solves"):
+                result = task.solve()
         else:
-            result = rtn(down_w, self.opts.bits, self.opts.group_size, self.opts.sym)
-        hh = A.expert_intermediate(module, xh, gate_q, up_q) if xh is not None and xh.shape[0] else None
+            with self._stage_timer("solves"):
+                result = rtn(down_w, self.opts.bits, self.opts.group_size, self.opts.sym)
+        with self._stage_timer("metrics"):
+            hh = A.expert_intermediate(module, xh.to(device), gate_q, up_q) if xh is not None and xh.shape[0] \
+                else None
         self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, result, hh,
                      x.shape[0] if x is not None else 0)
-        A.set_expert_weight(module, e, "down_proj", result.dequantize())
-        self._store(f"{m.path}.{e}.down_proj", result, None)
+        with self._stage_timer("solves"):
+            A.set_expert_weight(module, e, "down_proj", result.dequantize())
+            self._store(f"{m.path}.{e}.down_proj", result, None)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -238,11 +325,13 @@ class StackQuantizer:
         if result.method == "rtn":
             stats.rtn_modules += 1
         if x_heldout is not None and x_heldout.shape[0]:
-            baseline = rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
-            other = rtn(weight, self.opts.bits, self.opts.group_size, not self.opts.sym)
-            stats.gptq.add(output_error(x_heldout, weight, result.dequantize()))
-            stats.rtn.add(output_error(x_heldout, weight, baseline.dequantize()))
-            stats.rtn_other.add(output_error(x_heldout, weight, other.dequantize()))
+            with self._stage_timer("metrics"):
+                x_heldout = x_heldout.to(weight.device)
+                baseline = rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
+                other = rtn(weight, self.opts.bits, self.opts.group_size, not self.opts.sym)
+                stats.gptq.add(output_error(x_heldout, weight, result.dequantize()))
+                stats.rtn.add(output_error(x_heldout, weight, baseline.dequantize()))
+                stats.rtn_other.add(output_error(x_heldout, weight, other.dequantize()))
 
     def _store(self, key: str, result: QuantResult, bias) -> None:
         for name, tensor in result.pack(bias).items():

@@ -106,21 +106,39 @@ class PassRunner:
     progress: object  # quantize.progress.Progress
 
     def run(self, stage: str, samples: list[Sample], work: Callable[[Sample, bool], Callable[[], None]],
-            calibration_limit: int | None = None, needs: dict[str, str] | None = None) -> PassResult:
+            calibration_limit: int | None = None, needs: dict[str, str] | None = None,
+            prepare: Callable[[list[Sample]], None] | None = None, batch: int = 1) -> PassResult:
         """work(sample, heldout) runs the model and returns a commit() that stores what it recorded: a
         conversation that raises one of SKIPPABLE stores nothing. Held-out samples run first, so a skipped one
         can be replaced by a calibration sample not yet run. At most `calibration_limit` calibration samples
         are used (more are drawn when some are skipped). `needs` maps a stack's title to the modality its
         calibration conversations must have ("text": all), or to a tuple of modalities, any of which will do
-        (the vision encoder's: an image or a video)."""
+        (the vision encoder's: an image or a video). `prepare(samples)`, when given, runs before work() for up
+        to `batch` samples at once: the sample about to run and those expected next (work whose cost is shared
+        between conversations, such as the speech pass's streamed replies); what it prepares never changes which
+        conversations are used."""
         needs = {title: (m,) if isinstance(m, str) else tuple(m) for title, m in (needs or {}).items()}
         queue = [s for s in samples if s.heldout]
         candidates = [s for s in samples if not s.heldout]
         want = len(candidates) if calibration_limit is None else min(len(candidates), calibration_limit)
         planned = {title: sum(_uses(s, m) for s in candidates[:want]) for title, m in needs.items()}
         result = PassResult(stage)
+        prepared: set[int] = set()
+        tried: set[int] = set()
+
+        def upcoming() -> list[Sample]:
+            """The samples expected to run next, in order, if none of them is skipped."""
+            need = want - len(result.calibration)
+            rest = [c for c in candidates if id(c) not in tried][:max(need, 0)]
+            return [s for s in queue if id(s) not in tried] + rest
 
         def attempt(sample: Sample, heldout: bool) -> bool:
+            tried.add(id(sample))
+            if prepare is not None and id(sample) not in prepared:
+                ahead = [sample] + [s for s in upcoming() if id(s) not in prepared and s is not sample]
+                ahead = ahead[:max(1, batch)]
+                prepared.update(id(s) for s in ahead)
+                prepare(ahead)
             try:
                 commit = work(sample, heldout)
             except SKIPPABLE as exc:

@@ -1,20 +1,23 @@
 """Writing the quantized checkpoint in the standard layout of orin.checkpoint_layout: the source's tokenizer and
-processor files copied once, config.json with the quantization_config, then one shard per segment (written to a
-temporary file and renamed into place) and the index over the finished shards. The manifest entry that marks
-the segment finished is added afterwards by the caller."""
+processor files copied once, config.json with the quantization_config, then one shard per segment (written tensor
+by tensor to a temporary file, hashed on the way, and renamed into place: the segment never sits in memory whole)
+and the index over the finished shards. The manifest entry that marks the segment finished is added afterwards by
+the caller."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from orin.checkpoint_layout import hub_state, write_config_files, write_index
+from orin.checkpoint_layout import write_config_files, write_index
 from orin.components import component_of
 from orin.errors import ModelError
 from orin.fsutil import atomic_path
+from orin.hub_names import to_hub, unfused_names
 from orin.layout import Target
 from orin.manifest import FileEntry, file_entry
 
@@ -48,38 +51,83 @@ def copy_shared_files(model_dir: Path, out: Path, qconfig: dict) -> list[FileEnt
 
 
 
-def segment_state(model, components: tuple[str, ...], targets: list[Target], gptq_tensors: dict) -> dict:
-    """Every tensor of the segment's components under its transformers 5.23 name: GPTQ v1 tensors for the
-    quantized modules (their weight and bias replaced), BF16 for the rest. Tied aliases are written once."""
-    replaced = set()
+# safetensors' save_file lays tensors out by dtype (this order) and then by name; the streamed shard does the same,
+# so it holds the bytes save_file would write, and each module's tensors lie together as the loader reads them.
+_DTYPE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+_ST_NAMES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+             torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def _replaced(targets: list[Target]) -> set[str]:
+    out = set()
     for t in targets:
         if t.kind == "linear":
-            replaced.update((f"{t.path}.weight", f"{t.path}.bias"))
+            out.update((f"{t.path}.weight", f"{t.path}.bias"))
         else:
-            replaced.update((f"{t.path}.gate_up_proj", f"{t.path}.down_proj"))
-    state: dict[str, torch.Tensor] = {}
-    persistent = set(model.state_dict().keys())
-    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
-    for name, tensor in tensors:
-        if component_of(name) in components and name not in replaced:
-            t = tensor.detach()
-            state[name] = (t.to(torch.bfloat16) if t.is_floating_point() else t).cpu().contiguous()
-    for key, tensor in gptq_tensors.items():
-        if component_of(key) in components:
-            state[key] = tensor.contiguous()
-    return state
+            out.update((f"{t.path}.gate_up_proj", f"{t.path}.down_proj"))
+    return out
 
 
-def write_shard(out: Path, shard: str, state: dict, finished_shards: list[str]) -> tuple[FileEntry, int]:
-    """Write one segment's shard under hub names through a temporary file, then the index over it and the
-    shards already finished; return the shard's file entry and its tensor payload bytes."""
-    from safetensors.torch import save_file
+def shard_plan(skeleton, source, components: tuple[str, ...], targets: list[Target], gptq_files: list[Path]
+               ) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """Every tensor of the segment's shard, in file order: (hub name, dtype, shape, a function that reads it).
+    GPTQ v1 tensors of the quantized modules come from this run's layer checkpoints (`gptq_files`); the
+    segment's other parameters are copied from the source checkpoint in BF16 (fused experts that stay BF16 as
+    one weight per expert, as the hub stores them); persistent buffers from the model."""
+    from safetensors import safe_open
 
-    tensors = hub_state(state)
+    from orin.checkpoint_layout import read_header
+    from orin.hub_names import is_fused_experts
+
+    entries = []
+    replaced = _replaced(targets)
+    for name, param in skeleton.named_parameters():
+        if component_of(name) not in components or name in replaced:
+            continue
+        dtype = torch.bfloat16 if param.is_floating_point() else param.dtype
+        parts = source.parts[name]
+        if is_fused_experts(name):
+            shape = tuple(param.shape[1:])
+            if name.endswith("gate_up_proj"):
+                shape = (shape[0] // 2, shape[1])
+            for hub, part in zip(unfused_names(name, param.shape[0]), parts, strict=True):
+                entries.append((hub, dtype, shape, lambda p=part, d=dtype: source.read_part(p, d)))
+        else:
+            entries.append((to_hub(name), dtype, tuple(param.shape),
+                            lambda p=parts[0], d=dtype: source.read_part(p, d)))
+    persistent = set(skeleton.state_dict().keys())
+    for name, buffer in skeleton.named_buffers():
+        if name in persistent and component_of(name) in components:
+            entries.append((to_hub(name), buffer.dtype, tuple(buffer.shape), lambda b=buffer: b.detach().cpu()))
+    dtypes = {v: k for k, v in _ST_NAMES.items()}
+    readers: dict[str, object] = {}
+
+    def gptq(file: str, key: str) -> torch.Tensor:
+        if file not in readers:
+            readers[file] = safe_open(file, framework="pt")
+        return readers[file].get_tensor(key)
+
+    for file in gptq_files:
+        for key, info in read_header(file).items():
+            if component_of(key) in components:
+                entries.append((to_hub(key), dtypes[info["dtype"]], tuple(info["shape"]),
+                                lambda f=str(file), k=key: gptq(f, k)))
+    rank = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+    return sorted(entries, key=lambda e: (rank[_ST_NAMES[e[1]]], e[0]))
+
+
+def write_shard(out: Path, shard: str, plan: list, finished_shards: list[str]) -> tuple[FileEntry, int]:
+    """Write one segment's shard from its plan (shard_plan) tensor by tensor through a temporary file, then the
+    index over it and the shards already finished; return the shard's file entry and its tensor payload bytes."""
+    from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
+
+    planned = [PlannedTensor(name, dtype, shape) for name, dtype, shape, _ in plan]
     with atomic_path(out / shard) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        size, sha = write_safetensors_stream(tmp, planned, ((name, read()) for name, _d, _s, read in plan),
+                                             {"format": "pt"})
     write_index(out, list(dict.fromkeys([*finished_shards, shard])))
-    return file_entry(out, shard), sum(t.numel() * t.element_size() for t in tensors.values())
+    return FileEntry(shard, size, sha), sum(p.nbytes for p in planned)
 
 
 def read_json(path: Path) -> dict | None:

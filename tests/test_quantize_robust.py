@@ -224,6 +224,12 @@ def test_cli_skips_unencodable_conversations_and_keeps_stdout_for_json(tiny_mode
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)  # nothing but the summary on stdout
     assert summary["finished"] == ["thinker"]
+    run = summary["run"]  # the run's figures: its memory plan, wall time per stage, memory peaks
+    assert run["memory_plan"]["activations"] == "device" and run["memory_plan"]["max_gpu_memory"] is None
+    assert {"load", "calibration_forward", "hessians", "solves", "metrics", "writing"} <= set(run["stages"])
+    assert abs(sum(s["seconds"] for s in run["stages"].values()) - run["wall_seconds"]) < 0.5
+    assert run["peak_host_rss_bytes"] >= max(s["peak_host_rss_bytes"] for s in run["stages"].values()) > 0
+    assert load_report(out)["run"] == run
     err = result.stderr
     assert f"warning: skipping calibration conversation {calib}:2 (cannot be encoded): the processor cannot " \
            "encode it (ValueError: absolute aspect ratio must be smaller than 200" in err

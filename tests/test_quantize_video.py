@@ -165,8 +165,8 @@ def test_quantize_calibrates_the_vision_encoder_on_video_grids(tiny_model_dir, m
     recorded = {}
     real = capture.capture_thinker_pass
 
-    def spy(model, samples, stacks, reference, runner):
-        data, refs, result = real(model, samples, stacks, reference, runner)
+    def spy(model, residency, samples, *args):
+        data, refs, result = real(model, residency, samples, *args)
         recorded.update(data=data, samples=list(samples))
         return data, refs, result
 
