@@ -62,6 +62,8 @@ $(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
 	$(CPY) -m pip install --quiet --no-deps -e .
 	$(CPY) tests/compat_env.py requirements > $(COMPAT_VENV)/requirements.txt
 	$(CPY) -m pip install --quiet -r $(COMPAT_VENV)/requirements.txt
+	$(CPY) tests/compat_env.py torch-dependents > $(COMPAT_VENV)/torch-dependents.txt
+	$(CPY) -m pip install --quiet --no-deps -r $(COMPAT_VENV)/torch-dependents.txt
 	$(CPY) tests/compat_env.py check $(COMPAT_TORCH)
 	touch $@
 

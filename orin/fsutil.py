@@ -73,21 +73,27 @@ def atomic_dir(path: str | os.PathLike, tag: str = "tmp") -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        umask = current_umask()
-        for entry in (tmp, *tmp.rglob("*")):
-            mode = _published_mode(entry, umask)
-            if mode is None:
-                continue
-            os.chmod(entry, mode)
-            if entry.is_file():
-                with open(entry, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        publish_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Give `tmp`'s entries the modes the umask gives, sync its files, then rename it to `target` (replacing
+    what was there): atomic_dir's last step, for a directory filled elsewhere."""
+    umask = current_umask()
+    for entry in (tmp, *tmp.rglob("*")):
+        mode = _published_mode(entry, umask)
+        if mode is None:
+            continue
+        os.chmod(entry, mode)
+        if entry.is_file():
+            with open(entry, "rb") as fh:
+                os.fsync(fh.fileno())
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -451,6 +451,42 @@ class SpeechStreaming:
 
 
 @torch.no_grad()
+def speech_commit(model, data: dict, refs: dict, name: str, speech, talker_layer0, reference: bool,
+                  heldout: bool):
+    """One conversation's speech-side layer inputs, from its generated speech (talker sequence, code predictor
+    inputs, code2wav chunks): the first layer's calls of each stack in `data`, and the talker's codes where the
+    report needs them. Returns the function that adds them to `data` (and the codes to `refs`)."""
+    talker, predictor_seqs, code2wav = speech
+    talker_calls, codes = [], None
+    if "talker" in data or (reference and heldout):
+        codes, talker_calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
+    predictor_calls = []
+    if "code_predictor" in data:
+        layer0 = model.get_submodule(f"{A.STACK_OF['code_predictor'].layers}.0")
+        by_len: dict[int, list[torch.Tensor]] = {}
+        for s in predictor_seqs:
+            by_len.setdefault(s.shape[1], []).append(s)
+        for group in by_len.values():
+            batch = torch.cat(group, dim=0)
+            predictor_calls += _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
+                inputs_embeds=b, use_cache=False))
+    code2wav_calls = []
+    if "code2wav" in data:
+        layer0 = model.get_submodule(f"{A.STACK_OF['code2wav'].layers}.0")
+        for chunk in code2wav:
+            code2wav_calls += _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
+                inputs_embeds=c, use_cache=False))
+
+    def commit():
+        for stack, calls in (("talker", talker_calls), ("code_predictor", predictor_calls),
+                             ("code2wav", code2wav_calls)):
+            for call in calls:
+                data[stack].add(call, heldout)
+        if reference and heldout:
+            refs[name] = (talker, codes)
+    return commit
+
+
 def capture_speech_pass(model, residency, samples, stacks: set[str], settings: SpeechSettings, reference: bool,
                         runner, new_data, streaming: SpeechStreaming = SpeechStreaming()
                         ) -> tuple[dict[str, StackData], dict[str, tuple[TalkerSequence, torch.Tensor]], PassResult]:
@@ -494,34 +530,8 @@ def capture_speech_pass(model, residency, samples, stacks: set[str], settings: S
         reply = replies.pop(sample.name)
         talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data, reply,
                                                            residency.device)
-        talker_calls, codes = [], None
-        if "talker" in data or (reference and heldout):
-            codes, talker_calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
-        predictor_calls = []
-        if "code_predictor" in data:
-            layer0 = model.get_submodule(f"{A.STACK_OF['code_predictor'].layers}.0")
-            by_len: dict[int, list[torch.Tensor]] = {}
-            for s in predictor_seqs:
-                by_len.setdefault(s.shape[1], []).append(s)
-            for group in by_len.values():
-                batch = torch.cat(group, dim=0)
-                predictor_calls += _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
-                    inputs_embeds=b, use_cache=False))
-        code2wav_calls = []
-        if "code2wav" in data:
-            layer0 = model.get_submodule(f"{A.STACK_OF['code2wav'].layers}.0")
-            for chunk in code2wav:
-                code2wav_calls += _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
-                    inputs_embeds=c, use_cache=False))
-
-        def commit():
-            for stack, calls in (("talker", talker_calls), ("code_predictor", predictor_calls),
-                                 ("code2wav", code2wav_calls)):
-                for call in calls:
-                    data[stack].add(call, heldout)
-            if reference and heldout:
-                refs[sample.name] = (talker, codes)
-        return commit
+        return speech_commit(model, data, refs, sample.name, (talker, predictor_seqs, code2wav), talker_layer0,
+                             reference, heldout)
 
     heldout = sum(s.heldout for s in samples)
     resident = (*THINKER_SHELL, *THINKER_HEAD, "talker", *(("code2wav",) if "code2wav" in data else ()))

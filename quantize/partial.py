@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from orin.fsutil import publish_dir
 
 from .activations import CallStore, Placement, Spilled, StackData
 
@@ -58,17 +59,6 @@ def inputs_digest(samples) -> str:
 def _digest(name: str) -> str:
     """A file name for a conversation's name (file:line, builtin:N)."""
     return hashlib.sha256(name.encode()).hexdigest()[:16]
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Sync `tmp`'s files, then rename it to `target`."""
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
 
 
 @dataclass
@@ -144,7 +134,7 @@ class PartialState:
         _write_json(tmp / "info.json", {"key": self.key, "rows": rows, "calibration": state.calibration,
                                         "samples": state.samples, "stacks": sorted(state.data),
                                         "refs": {"thinker": thinker_refs, "talker": talker_refs}})
-        _publish(tmp, self.root / "passes")
+        publish_dir(tmp, self.root / "passes")
         for name, out in state.thinker_refs.items():
             if isinstance(out.logits, Spilled):
                 out.logits = Spilled(self.root / "passes" / thinker[name]["logits"])
@@ -251,7 +241,7 @@ class StackCheckpoints:
         _write_json(tmp / "state.json", {"key": self.key, "next": index + 1, "result": result.state(),
                                          "rows": rows})
         final = self.root / stack / _LAYER.format(index)
-        _publish(tmp, final)
+        publish_dir(tmp, final)
         for older in self._layers(stack):
             if older != final:
                 for stream in ("calib", "heldout"):

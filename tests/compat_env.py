@@ -3,6 +3,7 @@ the compat environment's Python, 3.10: no tomllib, so pyproject.toml is read thr
 
     python tests/compat_env.py torch-libs     the nvidia-* pins torch's shared libraries load at `import torch`
     python tests/compat_env.py requirements   torch's pure-Python deps, the runtime and serve extras, pytest, openai
+    python tests/compat_env.py torch-dependents  the extras' packages that name torch, installed with --no-deps
     python tests/compat_env.py room DIR       DIR's disk has room for the environment (a clear error if not)
     python tests/compat_env.py prune          delete the parts of torch's CUDA libraries a CPU run never loads
     python tests/compat_env.py check VERSION  the environment is what it claims: that torch, no HF/GPTQ/Triton
@@ -82,6 +83,12 @@ def torch_requirements() -> tuple[list[str], list[str]]:
     return libs, pure
 
 
+# Packages that name torch as a dependency but use none of torch's own: installed with --no-deps, or pip takes the
+# pinned torch into its resolution and installs the parts of its CUDA set this environment leaves out on purpose
+# (Triton, cuSOLVER, NVRTC, NVTX). silero-vad ships the VAD's ONNX model; its own code (torch) is never imported.
+TORCH_DEPENDENTS = ("silero-vad",)
+
+
 def project_requirements() -> list[str]:
     """The base dependencies, the runtime and serve extras (self-references followed) and the test tools, torch left
     out: it is installed at the pinned version, and naming it again would make pip resolve its CUDA dependencies."""
@@ -148,7 +155,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["torch-libs"]:
         print("\n".join(torch_requirements()[0]))
     elif argv[:1] == ["requirements"]:
-        print("\n".join(torch_requirements()[1] + project_requirements()))
+        reqs = torch_requirements()[1] + project_requirements()
+        print("\n".join(r for r in reqs if _requirement(r).name not in TORCH_DEPENDENTS))
+    elif argv[:1] == ["torch-dependents"]:
+        reqs = project_requirements()
+        print("\n".join(r for r in reqs if _requirement(r).name in TORCH_DEPENDENTS))
     elif argv[:1] == ["room"] and len(argv) == 2:
         problem = room(argv[1])
         if problem:

@@ -30,6 +30,7 @@ from quantize.capture import (
     generate_speech,
     record_first_calls,
     record_kwargs,
+    speech_commit,
     talker_codes,
 )
 from quantize.gptq import GPTQSolver
@@ -83,35 +84,8 @@ def _speech_pass(model, samples, stacks, settings, reference, runner, new_data):
     talker_layer0 = model.get_submodule(f"{A.STACK_OF['talker'].layers}.0")
 
     def work(sample, heldout):
-        talker, predictor_seqs, code2wav = generate_speech(model, sample, settings, "code2wav" in data)
-        talker_calls, codes = [], None
-        if "talker" in data or (reference and heldout):
-            codes, talker_calls = talker_codes(model, talker, talker_layer0 if "talker" in data else None)
-        predictor_calls = []
-        if "code_predictor" in data:
-            layer0 = model.get_submodule(f"{A.STACK_OF['code_predictor'].layers}.0")
-            by_len: dict[int, list] = {}
-            for s in predictor_seqs:
-                by_len.setdefault(s.shape[1], []).append(s)
-            for group in by_len.values():
-                batch = torch.cat(group, dim=0)
-                predictor_calls += _first_layer_calls(layer0, lambda b=batch: model.talker.code_predictor.model(
-                    inputs_embeds=b, use_cache=False))
-        code2wav_calls = []
-        if "code2wav" in data:
-            layer0 = model.get_submodule(f"{A.STACK_OF['code2wav'].layers}.0")
-            for chunk in code2wav:
-                code2wav_calls += _first_layer_calls(layer0, lambda c=chunk: model.code2wav.pre_transformer(
-                    inputs_embeds=c, use_cache=False))
-
-        def commit():
-            for stack, calls in (("talker", talker_calls), ("code_predictor", predictor_calls),
-                                 ("code2wav", code2wav_calls)):
-                for call in calls:
-                    data[stack].add(call, heldout)
-            if reference and heldout:
-                refs[sample.name] = (talker, codes)
-        return commit
+        speech = generate_speech(model, sample, settings, "code2wav" in data)
+        return speech_commit(model, data, refs, sample.name, speech, talker_layer0, reference, heldout)
 
     heldout = sum(s.heldout for s in samples)
     result = runner.run("speech", samples, work, max(1, settings.max_conversations - heldout),

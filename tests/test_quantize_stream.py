@@ -85,14 +85,14 @@ def test_a_killed_run_resumes_at_its_layer_with_activations_on_disk(tiny_model_d
 
     out = tmp_path / "q"
     cfg = QuantConfig(model=tiny_model_dir, out=str(out), activations="disk", **TINY_QUANTIZE)
-    publish = partial._publish
+    publish = partial.publish_dir
 
     def killed(tmp, target):
         if target.parent.name == "talker" and target.name == "layer-00001":
             raise KeyboardInterrupt
         publish(tmp, target)
 
-    monkeypatch.setattr(partial, "_publish", killed)
+    monkeypatch.setattr(partial, "publish_dir", killed)
     with pytest.raises(KeyboardInterrupt):
         run_quantize(cfg)
     stacks = out / ".partial" / "talker_vision"
@@ -103,7 +103,7 @@ def test_a_killed_run_resumes_at_its_layer_with_activations_on_disk(tiny_model_d
     assert (out / ".partial" / "passes" / "info.json").is_file()
     capsys.readouterr()
 
-    monkeypatch.setattr(partial, "_publish", publish)
+    monkeypatch.setattr(partial, "publish_dir", publish)
     layers_run = []
     stages = A.layer_stages
     monkeypatch.setattr(A, "layer_stages", lambda stack, i, t: layers_run.append((stack.component, i)) or

@@ -256,10 +256,17 @@ def test_body_limits_are_checked_before_reading(server):
 # --------------------------------------------------------------------------- memory over many requests
 
 
-def test_fifty_sequential_requests_do_not_grow_memory(server, engine):
+def test_sixty_sequential_requests_do_not_grow_memory(server, engine):
     """RSS (what MemoryMax= and the board's shared DRAM see: Python objects, torch CPU tensors, allocator
-    fragmentation) must not grow by 2 % after warm-up, and the engine's own accounting of device memory
-    (allocated_bytes, which is what counts on CUDA where RSS does not see it) must come back to the same value."""
+    fragmentation) must not grow request after request, and the engine's own accounting of device memory
+    (allocated_bytes, which is what counts on CUDA where RSS does not see it) must come back to the same value.
+
+    RSS is read after every five requests (one of each path), glibc's freed arenas returned first. A leak grows
+    every block: the median block-to-block growth must stay under 1 MiB (200 KiB a request). A one-off step
+    (an allocator arena or a library's cache first touched; 18-20 MiB seen on the 2-core CI machine with no
+    leak) moves one block only, and the whole run's growth must stay under 5 %."""
+    from statistics import median
+
     from orin.serve.metrics import process_rss_bytes
 
     client = kit.client(server)
@@ -274,22 +281,26 @@ def test_fifty_sequential_requests_do_not_grow_memory(server, engine):
         assert resp.usage.completion_tokens >= 1
 
     def settled_rss() -> int:
-        # glibc keeps freed arenas mapped, so raw RSS wanders by tens of MiB with the order of frees (2.5 % was
-        # seen on a 2-core CI machine with no leak); returning them first leaves what is still alive.
         gc.collect()
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).malloc_trim(0)
         return process_rss_bytes()
 
-    for i in range(len(requests)):  # warm-up: allocator pools, first-call caches
+    for i in range(3 * len(requests)):  # warm-up: allocator pools, first-call caches, worker threads
         run(i)
-    rss0, alloc0 = settled_rss(), engine.memory()["allocated_bytes"]
-    for i in range(50):
-        run(i)
-    rss1, alloc1 = settled_rss(), engine.memory()["allocated_bytes"]
-    assert rss1 <= rss0 * 1.02, f"RSS grew from {rss0} to {rss1} bytes ({(rss1 / rss0 - 1) * 100:.2f} %)"
+    alloc0 = engine.memory()["allocated_bytes"]
+    readings = [settled_rss()]
+    for _block in range(12):
+        for i in range(len(requests)):
+            run(i)
+        readings.append(settled_rss())
+    alloc1 = engine.memory()["allocated_bytes"]
+    steps = [b - a for a, b in zip(readings, readings[1:], strict=False)]
+    mib = [round(r / 2**20, 1) for r in readings]
+    assert median(steps) <= 1 << 20, f"RSS grows every block of 5 requests: {mib} MiB"
+    assert readings[-1] <= readings[0] * 1.05, f"RSS grew by over 5 %: {mib} MiB"
     assert alloc1 <= alloc0 * 1.02
-    assert kit.metrics(server)['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 55
+    assert kit.metrics(server)['orin_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 75
 
 
 # --------------------------------------------------------------------------- auth

@@ -153,18 +153,30 @@ class _Api:
                            param="model", code="model_not_found")
         return json_response(200, model_card(srv.model_name, srv.created))
 
-    async def chat(self, request: Request):
+    async def accepted(self, request: Request, parse, check_headers=None):
+        """The request's body through `parse` (bytes -> a dict with the request's fields), once the key, the
+        headers (`check_headers`), the body's size and the server's state are checked, and its `model`, where
+        given, is the served one; None when the client hung up while sending it."""
         self.require_auth(request)
+        if check_headers is not None:
+            check_headers(request.headers)
         srv = self.server
         try:
             body = await read_body(request, srv.cfg.max_body_bytes, srv.cfg.io_timeout_s)
         except ClientDisconnect:
-            return _no_response
-        data = await run_in_threadpool(parse_json, body)
+            return None
+        data = await parse(body)
         self.require_ready()
         model = data.get("model")
         if isinstance(model, str):
             check_model(model, srv.model_name)
+        return data
+
+    async def chat(self, request: Request):
+        srv = self.server
+        data = await self.accepted(request, lambda body: run_in_threadpool(parse_json, body))
+        if data is None:
+            return _no_response
         # Decoding images and audio is CPU work: off the event loop.
         req = await run_in_threadpool(parse_chat, data, srv.limits, max_bytes=srv.cfg.max_body_bytes)
         return ChatResponse(srv.worker, req, generation_request(req, srv.cfg.max_speech_seconds), srv.model_name,
@@ -176,34 +188,20 @@ class _Api:
                            code="not_ready", headers={"Retry-After": "5"})
 
     async def transcriptions(self, request: Request):
-        self.require_auth(request)
         srv = self.server
-        check_multipart(request.headers.get("content-type"))
-        try:
-            body = await read_body(request, srv.cfg.max_body_bytes, srv.cfg.io_timeout_s)
-        except ClientDisconnect:
+        form = await self.accepted(request, lambda body: read_form(request.headers, body),
+                                   lambda headers: check_multipart(headers.get("content-type")))
+        if form is None:
             return _no_response
-        form = await read_form(request.headers, body)
-        self.require_ready()
-        model = form.get("model")
-        if isinstance(model, str):
-            check_model(model, srv.model_name)
         # Decoding the audio is CPU work: off the event loop.
         req = await run_in_threadpool(parse_transcription, form, srv.limits)
         return TranscriptionResponse(srv.worker, req, transcription_request(req, srv.limits), srv.cfg.io_timeout_s)
 
     async def speech(self, request: Request):
-        self.require_auth(request)
         srv = self.server
-        try:
-            body = await read_body(request, srv.cfg.max_body_bytes, srv.cfg.io_timeout_s)
-        except ClientDisconnect:
+        data = await self.accepted(request, lambda body: run_in_threadpool(parse_json, body))
+        if data is None:
             return _no_response
-        data = await run_in_threadpool(parse_json, body)
-        self.require_ready()
-        model = data.get("model")
-        if isinstance(model, str):
-            check_model(model, srv.model_name)
         req = parse_speech(data, voices(srv.engine), await run_in_threadpool(encodable_formats))
         return SpeechResponse(srv.worker, req, speech_request(req, srv.limits, srv.cfg.max_speech_seconds),
                               srv.cfg.io_timeout_s)
