@@ -507,12 +507,15 @@ def synthetic_bf16_cmd(out, config, thinker_layers, device, seed, shard_size, fo
               help="Host memory (RSS) the run may use; calibration activations go to disk when it is short.")
 @click.option("--activations", type=click.Choice(["auto", "device", "host", "disk"]), default="auto",
               show_default=True, help="Where calibration activations live; auto: as the memory plan decides.")
+@click.option("--solver", type=click.Choice(["auto", "gptqmodel", "own"]), default="auto", show_default=True,
+              help="GPTQ solver: GPTQModel's, or orin-omni's own (plain torch; for boards GPTQModel does not "
+                   "install on); auto: GPTQModel where it imports.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the manifest summary as JSON, with the run's memory plan, time per stage and peaks.")
 def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, samples, device, quantize_audio_encoder,
                  quantize_code_predictor, quantize_code2wav, quantize_lm_head, min_expert_tokens, starved_experts,
                  speech_samples, reply_tokens, speech_frames, seed, force, quantize_vision, sym, served_model_name,
-                 max_gpu_memory, max_host_memory, activations, as_json):
+                 max_gpu_memory, max_host_memory, activations, solver, as_json):
     """GPTQ-quantize MODEL_DIR (a Qwen3-Omni checkpoint) to INT4 in bounded memory, layer by layer, resumable."""
     from quantize.pipeline import QuantConfig, quantize_run, render_result
 
@@ -524,7 +527,7 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
         speech_samples=speech_samples, reply_tokens=reply_tokens, speech_frames=speech_frames, seed=seed,
         force=force, quantize_vision=quantize_vision, sym=sym, served_model_name=served_model_name,
         max_gpu_memory=max_gpu_memory, max_host_memory=max_host_memory,
-        activations=None if activations == "auto" else activations,
+        activations=None if activations == "auto" else activations, solver=solver,
     )
     run = quantize_run(cfg)
     summary = {**run.manifest.summary(), "run": run.figures}

@@ -1,5 +1,6 @@
-"""The quantization math of one weight matrix: GPTQ through GPTQModel's solver, the RTN baseline, and the
-output error both leave on held-out inputs. No model structure and no calibration capture here.
+"""The quantization math of one weight matrix: GPTQ through GPTQModel's solver or orin-omni's own
+(quantize/gptq_solve.py: the same algorithm in plain torch, for where GPTQModel does not install), the RTN
+baseline, and the output error both leave on held-out inputs. No model structure and no calibration capture here.
 
 GPTQModel 7.6.0's ``gptqmodel.quantization.gptq.GPTQ`` is used directly: ``add_batch`` accumulates the
 Hessian ``2/n * X^T X`` of a Linear's inputs, ``quantize`` runs the blocked GPTQ update and returns the
@@ -21,9 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from orin.errors import UsageError
 from orin.gptq_format import pack_gptq_v1, pad_in_features, quantize_rtn, unpack_gptq_v1
 
-from .adapters import PINNED, layout_error
+from . import gptq_solve
+from .adapters import PINNED, LayoutError, layout_error
+from .gptq_solve import HessianSum
 
 MAXQ = 15
 DEFAULT_DAMP = 0.05  # GPTQModel 7.6.0's default damp_percent for GPTQ
@@ -78,17 +82,52 @@ class QuantResult:
         return cls(codes[:, :in_features].contiguous(), zeros, scales, g, "gptq")
 
 
+SOLVERS = ("auto", "gptqmodel", "own")
+
+
+def gptqmodel_available() -> bool:
+    """Whether GPTQModel imports at the pinned version (it does not install on every board)."""
+    try:
+        import_gptq()
+    except LayoutError:
+        return False
+    return True
+
+
+def resolve_solver(name: str) -> str:
+    """"gptqmodel" or "own" for a --solver value: auto takes GPTQModel where it imports at the pinned version."""
+    if name not in SOLVERS:
+        raise UsageError(f"--solver {name!r}: use one of {', '.join(SOLVERS)}")
+    if name == "auto":
+        return "gptqmodel" if gptqmodel_available() else "own"
+    if name == "gptqmodel":
+        import_gptq()  # its error says what to install
+    return name
+
+
+def solver_name(solver: str) -> str:
+    """The manifest's and report's name of the resolved solver."""
+    from orin import __version__
+
+    return f"gptqmodel {PINNED['gptqmodel']}" if solver == "gptqmodel" else f"orin-omni {__version__} gptq"
+
+
 class GPTQSolver:
-    """GPTQ for one run's parameters (bits, group size, damping) on one device."""
+    """GPTQ for one run's parameters (bits, group size, damping) on one device, through GPTQModel's solver or
+    the own one (`solver`: "gptqmodel" or "own", as resolve_solver gives)."""
 
     def __init__(self, bits: int, group_size: int, damp: float = DEFAULT_DAMP, device: str | torch.device = "cpu",
-                 sym: bool = True):
-        gptq_cls, config_factory = import_gptq()
-        self._gptq = gptq_cls
+                 sym: bool = True, solver: str = "gptqmodel"):
+        self.solver = solver
         self.group_size = group_size
         self.bits = bits
         self.sym = sym
+        self.damp = damp
         self.device = torch.device(device)
+        if solver == "own":
+            return
+        gptq_cls, config_factory = import_gptq()
+        self._gptq = gptq_cls
         # Plain GPTQ in natural column order (desc_act=False, no group-aware reordering), so g_idx is
         # arange(K)//g as the device kernels need; symmetric by default, the only 4-bit GPTQ vLLM's kernels take.
         # GPTQModel's own low-sample fallback is off: the caller decides per expert (see quantize/sequential.py),
@@ -97,8 +136,8 @@ class GPTQSolver:
                                    act_group_aware=False, damp_percent=damp, fallback=None,
                                    offload_to_disk=False, mse=0.0)
 
-    def task(self, weight: torch.Tensor) -> GPTQTask:
-        return GPTQTask(self, weight)
+    def task(self, weight: torch.Tensor) -> GPTQTask | OwnGPTQTask:
+        return OwnGPTQTask(self, weight) if self.solver == "own" else GPTQTask(self, weight)
 
 
 class GPTQTask:
@@ -144,6 +183,43 @@ class GPTQTask:
         self._gptq.free()
         return QuantResult(codes.to(torch.uint8), zero.t().round().clamp(0, MAXQ).to(torch.uint8), scales, g,
                            "gptq", int(nsamples))
+
+
+class OwnGPTQTask:
+    """GPTQTask's calls on quantize/gptq_solve.py."""
+
+    def __init__(self, solver: GPTQSolver, weight: torch.Tensor):
+        self.solver = solver
+        self.N, self.K = weight.shape
+        self.K_pad = pad_in_features(self.K, solver.group_size)
+        self._weight = weight.detach().to(solver.device, torch.float32)
+        if self.K_pad > self.K:
+            self._weight = torch.nn.functional.pad(self._weight, (0, self.K_pad - self.K))
+        self._hessian = HessianSum(self.K_pad, solver.device)
+
+    @property
+    def nsamples(self) -> int:
+        return self._hessian.rows
+
+    def add(self, x: torch.Tensor) -> None:
+        if x.numel() == 0:
+            return
+        x = x.reshape(-1, self.K).to(self.solver.device)
+        if self.K_pad > self.K:
+            x = torch.nn.functional.pad(x, (0, self.K_pad - self.K))
+        self._hessian.add(x)
+
+    def adopt(self, leader: OwnGPTQTask) -> None:
+        self._hessian = leader._hessian  # shared, never added to again: each solve takes its own 2/n·XᵀX
+
+    def solve(self) -> QuantResult:
+        s = self.solver
+        codes, scales, zeros, _damp = gptq_solve.solve(self._weight, self._hessian.matrix(), s.bits, s.group_size,
+                                                       s.sym, s.damp)
+        self._weight = None
+        return QuantResult(codes[:, : self.K].contiguous(), zeros.t().round().clamp(0, MAXQ).to(torch.uint8),
+                           scales.t().to(torch.float16).clamp(min=torch.finfo(torch.float16).tiny),
+                           s.group_size, "gptq", self._hessian.rows)
 
 
 def rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> QuantResult:

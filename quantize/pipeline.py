@@ -82,6 +82,7 @@ class QuantConfig:
     max_gpu_memory: int = DEFAULT_MAX_GPU_MEMORY  # bytes; the memory plan keeps the run under both
     max_host_memory: int = DEFAULT_MAX_HOST_MEMORY
     activations: str | None = None  # "device", "host" or "disk": where calibration activations live; None: planned
+    solver: str = "auto"  # GPTQ solver: "gptqmodel", "own" (quantize/gptq_solve.py) or "auto" (GPTQModel if it imports)
 
     @property
     def spec(self) -> QuantSpec:
@@ -92,10 +93,11 @@ class QuantConfig:
                          sym=self.sym, quantize_vision=self.quantize_vision)
 
 
-def quantizer_name() -> str:
-    from .adapters import PINNED
+def quantizer_name(cfg: QuantConfig) -> str:
+    """The GPTQ solver the run uses, by name and version (the manifest's, the report's and the resume key's)."""
+    from .gptq import resolve_solver, solver_name
 
-    return f"gptqmodel {PINNED['gptqmodel']}"
+    return solver_name(resolve_solver(cfg.solver))
 
 
 @dataclass(frozen=True)
@@ -270,14 +272,15 @@ class _Session:
         from orin.checkpoint_layout import read_header
 
         from . import adapters as A
-        from .gptq import GPTQSolver
+        from .gptq import GPTQSolver, resolve_solver
         from .report import segment_report, update_report
         from .sequential import StackOptions, StackQuantizer
 
         cfg = self.cfg
         started = utc_now()
         self.log.log(f"segment {name}: {' + '.join(comps)}")
-        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, self.plan["device"], cfg.sym)
+        solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, self.plan["device"], cfg.sym,
+                            resolve_solver(cfg.solver))
         opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts, cfg.sym)
         checkpoints = self.partial.checkpoints(name)
         types, starved, quantized = {}, [], []
@@ -375,6 +378,7 @@ def _validate(cfg: QuantConfig) -> dict:
         raise UsageError(f"--samples {cfg.samples}: need at least 2 (one to calibrate, one held out for the report)")
     if cfg.starved_experts not in STARVED_POLICIES:
         raise UsageError(f"--starved-experts {cfg.starved_experts!r}: use {' or '.join(STARVED_POLICIES)}")
+    quantizer_name(cfg)  # an unknown --solver, or gptqmodel asked for where it does not import, fails here
     split = C.parse_segments(cfg.split)
     names = C.select_segments(split, cfg.segments)
     model_dir = Path(cfg.model)
@@ -417,7 +421,7 @@ def _validate(cfg: QuantConfig) -> dict:
 
 
 def _quantization(cfg: QuantConfig) -> dict:
-    return {**cfg.spec.describe(), "spec": asdict(cfg.spec), "method": "gptq", "quantizer": quantizer_name(),
+    return {**cfg.spec.describe(), "spec": asdict(cfg.spec), "method": "gptq", "quantizer": quantizer_name(cfg),
             "damp_percent": cfg.damp, "true_sequential": True}
 
 
@@ -473,7 +477,7 @@ def _create_out(cfg: QuantConfig, plan: dict, wipe: bool) -> Manifest:
         for shard in [*out.glob("model-*-of-*.safetensors"), out / INDEX_NAME]:
             shard.unlink(missing_ok=True)
         drop_segments(out, set())
-    qconfig = model_quantization_config(plan["skeleton"], cfg.spec, plan["targets"], cfg.damp, quantizer_name())
+    qconfig = model_quantization_config(plan["skeleton"], cfg.spec, plan["targets"], cfg.damp, quantizer_name(cfg))
     manifest = Manifest(
         tool_version=__version__, created_at=utc_now(),
         source={"model_dir": str(model_dir.resolve()), "config_sha256": plan["config_sha"]},
