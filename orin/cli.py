@@ -327,20 +327,23 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
               help="Seconds to wait for each HTTP request.")
 @click.option("--video/--no-video", default=True, show_default=True,
               help="Also send a short clip with a soundtrack and check the answer and its prompt tokens.")
+@click.option("--voice-endpoints/--no-voice-endpoints", default=True, show_default=True,
+              help="With --url: also check /v1/audio/speech, /v1/audio/transcriptions and a /v1/realtime session.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @_packed_cache_option
 @click.pass_context
 def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voice, device, power_backend, timeout_s,
-              video, as_json, packed_cache):
+              video, voice_endpoints, as_json, packed_cache):
     """Check a server (--url) or the engine (--model-dir) end to end: text, image+audio+text, speech and video
-    requests, TTFT, peak memory, WAV output, video prompt tokens, power. Exits 1 if any check fails."""
+    requests, TTFT, peak memory, WAV output, video prompt tokens, power; with --url also the speech,
+    transcription and Realtime endpoints. Exits 1 if any check fails."""
     from .checks.smoke import SmokeConfig, render_table, run_smoke
     from .packed_cache import resolve_dir
 
     result = run_smoke(SmokeConfig(
         url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
         voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s, video=video,
-        packed_cache=resolve_dir(packed_cache, model_dir),
+        voice_endpoints=voice_endpoints, packed_cache=resolve_dir(packed_cache, model_dir),
     ))
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
     if not result.ok:

@@ -187,10 +187,13 @@ EXPECTED = {
 } | VIDEO
 
 
+VOICE = {"audio/speech", "audio/transcriptions", "realtime"}
+
+
 def test_smoke_over_http_passes_on_the_tiny_model(server):
     result = run_smoke(SmokeConfig(url=server.url, max_new_tokens=8))
     statuses = _statuses(result)
-    assert set(statuses) == EXPECTED | {"health", "metrics"}
+    assert set(statuses) == EXPECTED | VOICE | {"health", "metrics"}
     assert statuses["power"] == SKIP  # backend none: skipped, not passed
     assert all(s == PASS for name, s in statuses.items() if name != "power"), render_table(result)
     assert result.ok
@@ -267,6 +270,8 @@ def test_smoke_cli_exit_codes_and_thresholds(server, tmp_path):
     assert no_video.exit_code == 0, no_video.output
     names = {c["name"] for c in json.loads(no_video.output)["checks"]}
     assert not any(n.startswith("video") for n in names) and "text: answer" in names
+    no_voice = runner.invoke(cli, ["smoke", "--url", server.url, "--json", "--no-video", "--no-voice-endpoints"])
+    assert no_voice.exit_code == 0 and not VOICE & {c["name"] for c in json.loads(no_voice.output)["checks"]}
     # Impossible limits fail the TTFT and peak checks, and the command exits 1 with the table.
     bad = runner.invoke(cli, ["smoke", "--url", server.url, "--max-ttft", "0.000001", "--max-peak", "1KiB"])
     assert bad.exit_code == 1
@@ -287,6 +292,9 @@ def test_smoke_with_an_api_key(engine, quantized_dir, tmp_path):
     try:
         denied = run_smoke(SmokeConfig(url=srv.url, max_new_tokens=2))
         assert not denied.ok and any("HTTP 401" in c.detail for c in denied.checks)
+        voice = {c.name: c for c in denied.checks if c.name in VOICE}
+        assert all(c.status == FAIL for c in voice.values()) and "HTTP 401" in voice["audio/speech"].detail
+        assert "API key" in voice["realtime"].detail or "1008" in voice["realtime"].detail, voice["realtime"].detail
         allowed = run_smoke(SmokeConfig(url=srv.url, max_new_tokens=4, api_key_file=str(key)))
         assert allowed.ok, render_table(allowed)
     finally:

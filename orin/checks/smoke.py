@@ -35,6 +35,7 @@ from ..audio_format import (
 from ..errors import OrinError, UsageError
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
+from .smoke_voice import voice_checks
 
 MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
 # The video request's clip: 4 s at 10 fps, 128x160 (sides already multiples of 32, under the frame-pixel cap, so
@@ -63,6 +64,7 @@ class SmokeConfig:
     timeout_s: float = 600.0
     packed_cache: str | None = None  # in-process: orin.packed_cache's directory
     video: bool = True  # the video request (--video/--no-video)
+    voice_endpoints: bool = True  # with --url: /v1/audio/speech, /v1/audio/transcriptions, /v1/realtime
 
 
 @dataclass(frozen=True)
@@ -514,6 +516,8 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         case_checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
                                     _peak_limit(cfg, budget_seen), cfg.video)
         checks += case_checks
+        if cfg.voice_endpoints:
+            checks += voice_checks(target)
         checks.append(check_metrics(target))
         return SmokeResult(target=cfg.url, checks=tuple(checks))
     owned = engine is None
