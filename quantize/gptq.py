@@ -140,16 +140,33 @@ class GPTQSolver:
         return OwnGPTQTask(self, weight) if self.solver == "own" else GPTQTask(self, weight)
 
 
-class GPTQTask:
-    """One weight matrix's Hessian accumulation and GPTQ solve."""
+class _Task:
+    """A weight matrix and its inputs on the solver's device, both zero-padded to K_pad (see the module doc)."""
 
     def __init__(self, solver: GPTQSolver, weight: torch.Tensor):
         self.solver = solver
         self.N, self.K = weight.shape
         self.K_pad = pad_in_features(self.K, solver.group_size)
-        w = weight.detach().to(solver.device, torch.float32)
-        if self.K_pad > self.K:
-            w = torch.nn.functional.pad(w, (0, self.K_pad - self.K))
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.solver.device)
+        return torch.nn.functional.pad(t, (0, self.K_pad - self.K)) if self.K_pad > self.K else t
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate inputs x [rows, K] (any float dtype) into the Hessian."""
+        if x.numel():
+            self.accumulate(self.padded(x.reshape(-1, self.K)))
+
+    def accumulate(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class GPTQTask(_Task):
+    """One weight matrix's Hessian accumulation and GPTQ solve, on GPTQModel's solver."""
+
+    def __init__(self, solver: GPTQSolver, weight: torch.Tensor):
+        super().__init__(solver, weight)
+        w = self.padded(weight.detach().float())
         linear = torch.nn.Linear(self.K_pad, self.N, bias=False, device=solver.device, dtype=torch.float32)
         linear.weight.data = w
         self._gptq = solver._gptq(linear, solver.qcfg)
@@ -159,13 +176,7 @@ class GPTQTask:
     def nsamples(self) -> int:
         return int(self._gptq.nsamples)
 
-    def add(self, x: torch.Tensor) -> None:
-        """Accumulate inputs x [rows, K] (any float dtype) into the Hessian."""
-        if x.numel() == 0:
-            return
-        x = x.reshape(-1, self.K).to(self.solver.device)
-        if self.K_pad > self.K:
-            x = torch.nn.functional.pad(x, (0, self.K_pad - self.K))
+    def accumulate(self, x: torch.Tensor) -> None:
         self._gptq.add_batch(x, None)
 
     def adopt(self, leader: GPTQTask) -> None:
@@ -185,28 +196,19 @@ class GPTQTask:
                            "gptq", int(nsamples))
 
 
-class OwnGPTQTask:
+class OwnGPTQTask(_Task):
     """GPTQTask's calls on quantize/gptq_solve.py."""
 
     def __init__(self, solver: GPTQSolver, weight: torch.Tensor):
-        self.solver = solver
-        self.N, self.K = weight.shape
-        self.K_pad = pad_in_features(self.K, solver.group_size)
-        self._weight = weight.detach().to(solver.device, torch.float32)
-        if self.K_pad > self.K:
-            self._weight = torch.nn.functional.pad(self._weight, (0, self.K_pad - self.K))
+        super().__init__(solver, weight)
+        self._weight = self.padded(weight.detach().float())
         self._hessian = HessianSum(self.K_pad, solver.device)
 
     @property
     def nsamples(self) -> int:
         return self._hessian.rows
 
-    def add(self, x: torch.Tensor) -> None:
-        if x.numel() == 0:
-            return
-        x = x.reshape(-1, self.K).to(self.solver.device)
-        if self.K_pad > self.K:
-            x = torch.nn.functional.pad(x, (0, self.K_pad - self.K))
+    def accumulate(self, x: torch.Tensor) -> None:
         self._hessian.add(x)
 
     def adopt(self, leader: OwnGPTQTask) -> None:

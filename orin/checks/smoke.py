@@ -19,8 +19,6 @@ import base64
 import io
 import json
 import math
-import urllib.error
-import urllib.request
 import wave
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from ..audio_format import (
 from ..errors import OrinError, UsageError
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
+from .http import Unreachable, exchange
 from .smoke_voice import voice_checks
 
 MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
@@ -179,18 +178,11 @@ class HttpTarget:
 
     def _request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise SmokeRequestError(f"cannot reach {self.url}{path}: {reason}") from exc
+            return exchange(self.url + path, method, data, headers, self.api_key, self.timeout_s)
+        except Unreachable as exc:
+            raise SmokeRequestError(str(exc)) from exc
 
     def get_json(self, path: str) -> tuple[int, dict]:
         status, raw = self._request("GET", path)

@@ -9,28 +9,21 @@ import base64
 import io
 import json
 import secrets
-import urllib.error
-import urllib.request
 import wave
 
 from .check import FAIL, PASS, Check
+from .http import Unreachable, exchange
 
 REALTIME_EVENTS = ("session.created", "session.updated", "conversation.item.added", "response.created",
                    "response.output_audio.delta", "response.output_audio_transcript.delta", "response.done")
 
 
 def _post(target, path: str, data: bytes, content_type: str) -> tuple[int, bytes]:
-    headers = {"Content-Type": content_type}
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
-    request = urllib.request.Request(target.url + path, data=data, method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=target.timeout_s) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (urllib.error.URLError, OSError) as exc:
-        return 0, str(getattr(exc, "reason", exc)).encode()
+        return exchange(target.url + path, "POST", data, {"Content-Type": content_type}, target.api_key,
+                        target.timeout_s)
+    except Unreachable as exc:
+        return 0, str(exc).encode()
 
 
 def _error_text(status: int, raw: bytes) -> str:
@@ -38,7 +31,7 @@ def _error_text(status: int, raw: bytes) -> str:
         message = json.loads(raw)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = raw[:200].decode("utf-8", "replace")
-    return f"HTTP {status}: {message}" if status else f"cannot reach the server: {message}"
+    return f"HTTP {status}: {message}" if status else message
 
 
 def _wav_format(data: bytes) -> tuple[int, int, int, int]:
