@@ -113,6 +113,11 @@ class Engine:
             gc.unfreeze()
             self._heap_frozen = False
 
+    @property
+    def voices(self) -> tuple[str, ...]:
+        """The talker's speaker names (lower case, as requests match them), from the checkpoint's config."""
+        return tuple(sorted(self.config.talker_config.speaker_id or {}))
+
     def memory(self) -> dict:
         return {"resident_bytes": self.loader.resident_bytes(), "allocated_bytes": self.loader.allocated_bytes(),
                 "budget": self.cfg.budget, "resident": list(self.loader.resident())}
@@ -188,9 +193,8 @@ class Engine:
         if req.max_new_tokens < 1:
             raise InputError("max_new_tokens must be at least 1")
         if req.speech:
-            speakers = self.config.talker_config.speaker_id or {}
-            if req.voice.lower() not in speakers:
-                raise InputError(f"unknown voice {req.voice!r}; voices: {', '.join(sorted(speakers))}")
+            if req.voice.lower() not in self.voices:
+                raise InputError(f"unknown voice {req.voice!r}; voices: {', '.join(self.voices)}")
         if not req.messages:
             raise InputError("messages is empty: give at least one user message")
 

@@ -184,6 +184,13 @@ def resample(x: np.ndarray, src_sr: int, dst_sr: int, *, zeros: int = 24, rollof
     return out
 
 
+def encode_pcm16(samples) -> bytes:
+    """Float samples as 16-bit little-endian PCM, clipped to [-1, 1] (OpenAI's `pcm16` and the Realtime API's
+    `audio/pcm`)."""
+    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
+    return (clipped * 32767.0).round().astype("<i2").tobytes()
+
+
 def encode_wav(samples: np.ndarray, sr: int = OUTPUT_SAMPLE_RATE) -> bytes:
     """16-bit PCM WAV bytes. Float input is in [-1, 1] (clipped); int16 input is written as is; a 2-D input is
     (frames, channels)."""

@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import soundfile as sf
 
-from orin.media import resample
+from orin.media import encode_pcm16, resample
 
 
 def espeak_path() -> str:
@@ -45,7 +45,7 @@ def silence(seconds: float, sr: int = 24_000) -> np.ndarray:
 
 def pcm16(samples: np.ndarray) -> bytes:
     """Little-endian 16-bit PCM, the Realtime API's `audio/pcm`."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+    return encode_pcm16(samples)
 
 
 def wav_bytes(samples: np.ndarray, sr: int) -> bytes:

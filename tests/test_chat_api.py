@@ -15,7 +15,7 @@ from PIL import Image
 
 from orin.contract import Report
 from orin.errors import BudgetError, InputError, ModelError
-from orin.media import encode_wav, synth_image, synth_tone
+from orin.media import encode_pcm16, encode_wav, synth_image, synth_tone
 from orin.serve.protocol import (
     ApiError,
     Limits,
@@ -23,7 +23,6 @@ from orin.serve.protocol import (
     check_model,
     chunk,
     completion_body,
-    encode_pcm16,
     generation_request,
     parse_chat,
     parse_json,

@@ -42,10 +42,10 @@ class _Sender(threading.Thread):
     def run(self) -> None:
         import base64
 
-        import numpy as np
+        from ..media import encode_pcm16
 
         step = int(24_000 * PACKET_S)
-        pcm = (np.clip(self.samples, -1, 1) * 32767).astype("<i2").tobytes()
+        pcm = encode_pcm16(self.samples)
         quiet = bytes(2 * step)
         t0 = time.perf_counter()
         n = 0

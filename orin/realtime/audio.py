@@ -57,10 +57,9 @@ def decode(raw: bytes, fmt: str, param: str = "audio"):
 
 def encode_pcm(samples) -> str:
     """Float samples as base64 16-bit little-endian PCM (what `response.output_audio.delta` carries)."""
-    import numpy as np
+    from ..media import encode_pcm16
 
-    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
-    return base64.b64encode((clipped * 32767.0).round().astype("<i2").tobytes()).decode("ascii")
+    return base64.b64encode(encode_pcm16(samples)).decode("ascii")
 
 
 class Upsampler:

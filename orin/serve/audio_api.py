@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from ..contract import AudioChunk, Done, TextDelta
 from ..errors import InputError
-from .protocol import ApiError, ChatRequest, Limits, dumps, encode_pcm16, generation_request, to_api_error
+from ..media import encode_pcm16
+from .protocol import ApiError, ChatRequest, Limits, dumps, generation_request, to_api_error
 from .streaming import CLIENT_CLOSED, STATUS_KEY, EngineResponse
 
 if TYPE_CHECKING:
@@ -310,11 +311,6 @@ class SpeechRequest:
     instructions: str | None = None
     response_format: str = "wav"
     stream_format: str = "audio"
-
-
-def voices(engine) -> tuple[str, ...]:
-    """The talker's speaker names, from the checkpoint's config (lower case, as the engine matches them)."""
-    return tuple(sorted(engine.config.talker_config.speaker_id or {}))
 
 
 def encode_soundfile(samples, fmt: str) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import json
 import math
 import os
@@ -440,6 +441,13 @@ def generation_request(req: ChatRequest, max_speech_seconds: float | None = None
                              temperature=req.temperature, top_p=req.top_p, seed=req.seed, **extra)
 
 
+def key_matches(token: str, keys: tuple[str, ...]) -> bool:
+    """Whether `token` is one of the server's API keys. Every key is compared (constant time each), so timing does
+    not tell which one nearly matched."""
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+    return any(matches)
+
+
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}' "
@@ -455,22 +463,15 @@ def new_ids() -> tuple[str, str, int]:
     return f"chatcmpl-{token}", f"audio_{token}", int(time.time())
 
 
-def encode_pcm16(samples) -> bytes:
-    import numpy as np
-
-    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
-    return (clipped * 32767.0).round().astype("<i2").tobytes()
-
-
 def encode_audio(samples, fmt: str) -> bytes:
     """One audio payload in `fmt`; a streamed `wav` chunk is a complete small file of its own."""
     import numpy as np
 
+    from ..media import encode_pcm16, encode_wav
+
     samples = np.zeros(0, dtype=np.float32) if samples is None else samples
     if fmt == "pcm16":
         return encode_pcm16(samples)
-    from ..media import encode_wav
-
     return encode_wav(samples, sr=OUTPUT_SAMPLE_RATE)
 
 

@@ -22,7 +22,6 @@ ends once the engine has stopped (awaited, not blocking the loop), which frees i
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import threading
@@ -53,7 +52,7 @@ from ..realtime.session import Capabilities, InputAudioBuffer, SessionConfig, ap
 from ..realtime.tokens import TokenCounter
 from ..realtime.vad import SpeechStarted, TurnDetector
 from .admission import Abandoned, Closed, QueueFull
-from .protocol import dumps, to_api_error
+from .protocol import dumps, key_matches, to_api_error
 from .streaming import CLIENT_CLOSED
 
 log = logging.getLogger("orin.serve.app")  # one logger for the server's lines, whichever module writes them
@@ -82,12 +81,6 @@ class _Gone(Exception):
     """The client left while waiting for a slot."""
 
 
-def _authorized(token: str, keys: tuple[str, ...]) -> bool:
-    # Every key is compared (constant time each), so timing does not tell which one nearly matched.
-    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
-    return any(matches)
-
-
 class RealtimeHub:
     """The endpoint's shared state: the server, the count of open sessions, the model's capabilities."""
 
@@ -98,7 +91,7 @@ class RealtimeHub:
 
     def capabilities(self) -> Capabilities:
         srv = self.server
-        voices = tuple(sorted((srv.engine.config.talker_config.speaker_id or {}).keys()))
+        voices = srv.engine.voices
         default = GenerationRequest.__dataclass_fields__["voice"].default
         return Capabilities(model=srv.model_name, voices=voices,
                             default_voice=default if default in voices or not voices else voices[0],
@@ -198,7 +191,7 @@ class _Session:
             for proto in offered:
                 if proto.startswith(KEY_PROTOCOL):
                     token = token or proto[len(KEY_PROTOCOL):]
-            if not _authorized(token, srv.api_keys):
+            if not key_matches(token, srv.api_keys):
                 raise Refused("invalid_api_key", "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
                               "with the key from the server's --api-key-file", CLOSE_POLICY, 401)
         query = self.ws.query_params

@@ -13,7 +13,6 @@ state, model_name, created, limits, worker, metrics, engine, healthy(), memory()
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from email.utils import formatdate
@@ -39,7 +38,6 @@ from .audio_api import (
     read_form,
     speech_request,
     transcription_request,
-    voices,
 )
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import (
@@ -47,6 +45,7 @@ from .protocol import (
     check_model,
     dumps,
     generation_request,
+    key_matches,
     model_card,
     parse_chat,
     parse_json,
@@ -116,10 +115,7 @@ class _Api:
         if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        # Every key is compared (constant time each), so timing does not tell which one nearly matched.
-        matches = [hmac.compare_digest(given, key.encode()) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
+        if scheme.lower() != "bearer" or not key_matches(token.strip(), keys):
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key "
                            "from the server's --api-key-file", code="invalid_api_key",
                            headers={"WWW-Authenticate": 'Bearer realm="orin-omni"'})
@@ -202,7 +198,7 @@ class _Api:
         data = await self.accepted(request, lambda body: run_in_threadpool(parse_json, body))
         if data is None:
             return _no_response
-        req = parse_speech(data, voices(srv.engine), await run_in_threadpool(encodable_formats))
+        req = parse_speech(data, srv.engine.voices, await run_in_threadpool(encodable_formats))
         return SpeechResponse(srv.worker, req, speech_request(req, srv.limits, srv.cfg.max_speech_seconds),
                               srv.cfg.io_timeout_s)
 
