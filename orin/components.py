@@ -63,6 +63,17 @@ VIDEO_ENCODE_PATCHES = 16384
 # its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few
 # whole-prompt hidden states, whatever the prompt's length.
 LONG_PREFILL_TOKENS = 4096
+# A decoder's static KV cache holds a multiple of this many positions. Growing it re-captures the decode graphs and
+# drops the prefill graphs that read it; a Realtime conversation's context grows by a turn each response, and with
+# a cache sized to the token it crossed its size, and paid the captures, on every turn. At the thinker's widths a
+# granule is 96 MiB (the plan counts the rounded size).
+CACHE_GRANULE = 1024
+
+
+def cache_positions(n: int) -> int:
+    """The positions a static KV cache that must hold `n` is given."""
+    return -(-max(1, n) // CACHE_GRANULE) * CACHE_GRANULE
+
 # Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
 # worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
 # twice as many (each expert still gets a hundred rows or more).

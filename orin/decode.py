@@ -31,8 +31,26 @@ from .decoder_layer import attention_block, decoder_layer, layer_weights, mlp_bl
 from .errors import ModelError
 from .graph_runner import GraphRunner
 
-PREFILL_BUCKET = 64  # graph prefill: prompts padded to a multiple of this, one capture per bucket
-PREFILL_GRAPHS = 8  # captured prefill buckets kept per decoder, least recently used dropped first
+PREFILL_GRAPHS = 16  # captured prefill buckets kept per decoder, least recently used dropped first
+# Deferred captures (a server's decoders) also cover the buckets of prompts up to this many tokens longer than
+# the one just seen (a conversation's next prompt is its last plus an answer and a question), or, where prompts
+# have been growing, up to one and a half times the last growth, at most PREFILL_LOOKAHEAD_MAX.
+PREFILL_LOOKAHEAD = 256
+PREFILL_LOOKAHEAD_MAX = 2048
+# A prefill graph's capture runs its function once first (on a side stream: library handles, workspaces), not
+# three times as a decode step's does: a bucket's kernels are those of the buckets before it, and at 2,000 rows
+# each pass is a fifth of a second of idle time.
+PREFILL_CAPTURE_WARMUPS = 1
+# The rows of each graph-prefill input that grow with the bucket (the rest: `last`, one index).
+_ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The rows a graph prefill of `tokens` is padded to: multiples of 64 up to 512, then eight buckets per
+    doubling (at most a quarter more rows than the prompt; padding rows skip the MoE, most of the work). Twenty
+    buckets up to LONG_PREFILL_TOKENS, where a bucket of every 64 made sixty-four, and as many captures."""
+    step = 64 if tokens <= 512 else (1 << (tokens - 1).bit_length()) // 8
+    return -(-tokens // step) * step
 
 
 # ---------------------------------------------------------------------- thinker and talker
@@ -74,6 +92,17 @@ class StaticDecoder:
         # One memory pool for all prefill buckets (they never run at once and their outputs are copied out),
         # so the buckets kept cost about one prefill's activations, not one each.
         self._prefill_pool = None
+        # A server's decoders defer captures (`defer`): a bucket with no graph yet is prefilled eagerly (padded as
+        # its graph would be, so the result is the same) and captured by capture_deferred() while the GPU is idle;
+        # a capture costs four prefills, which a request waiting on it would pay.
+        self.defer = False
+        self._wanted: OrderedDict[tuple, dict] = OrderedDict()  # bucket key -> its inputs' (shape, dtype)
+        self._need = 0  # the positions the last prefill needed
+        self._last_rows = 0  # the last prompt's length, and by how much it grew over the one before
+        self._growth = 0
+        self._stepped_by: str | None = None  # "tokens" (step) or "embeds" (step_embeds): how a dummy step goes
+        self._prefill_captures = 0
+        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager or long
 
     @property
     def captures(self) -> int:
@@ -81,7 +110,8 @@ class StaticDecoder:
 
     @property
     def prefill_captures(self) -> int:
-        return sum(runner.captures for runner, _ in self._prefill_graphs.values())
+        """Prefill graphs captured over the decoder's life (released ones included)."""
+        return self._prefill_captures
 
     def check_supported(self) -> None:
         """A ModelError where a layer is one decoder_layer does not compute (Decoders checks each decoder once)."""
@@ -107,9 +137,16 @@ class StaticDecoder:
         self.max_len = max_len
 
     def _release_prefill_graphs(self) -> None:
-        for runner, _ in self._prefill_graphs.values():
+        again = OrderedDict()
+        for key, (runner, static) in self._prefill_graphs.items():
             runner.release()
+            if self.defer and key not in self._wanted:  # captured again while idle, after what is wanted now
+                again[key] = {k: (tuple(v.shape), v.dtype) for k, v in static.items()}
         self._prefill_graphs.clear()
+        if again:
+            again.update(self._wanted)
+            self._wanted = again
+        self._trim_wanted()
         self._prefill_pool = None
 
     def release(self) -> None:
@@ -137,19 +174,22 @@ class StaticDecoder:
         visual: (the image tokens' rows [n] on the device, deepstack features [n, H] for the first layers).
 
         With graphs enabled (CUDA, and `graph`: the caller's word that the weights stay where they are, so a
-        capture is replayed more than once) the prompt is padded to a multiple of `bucket` (PREFILL_BUCKET) and
-        the whole prefill replayed from a CUDA graph captured once per bucket: the eager prefill is ~5,000
-        kernel launches, and the host, not the GPU, sets its time. Padding rows come after the prompt, so
+        capture is replayed more than once) the prompt is padded to its bucket (prefill_bucket, or a multiple of
+        `bucket`) and the whole prefill replayed from a CUDA graph captured once per bucket: the eager prefill is
+        ~5,000 kernel launches, and the host, not the GPU, sets its time. Padding rows come after the prompt, so
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
         masks them until it overwrites them."""
         T = int(embeds.shape[0])
+        # Whole granules where the weights stay put (the graphs that read the cache live on); time-sliced, the
+        # cache is sized to the request, as every byte counts against the budget (the plan counts granules).
+        kept = graph
         # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
-        graph = graph and T <= C.LONG_PREFILL_TOKENS and self.runner.graph_enabled and \
-            self._prefill_capturable(embeds)
-        bucket = bucket or (PREFILL_BUCKET if graph else 1)
-        Tb = -(-T // bucket) * bucket
-        if max(max_len, Tb) > self.max_len or not self.k_cache:
-            self._alloc(-(-max(max_len, Tb, T + 1) // 64) * 64)
+        graph = graph and T <= C.LONG_PREFILL_TOKENS and self._graphs_for(embeds)
+        Tb = -(-T // bucket) * bucket if bucket else prefill_bucket(T) if graph else T
+        self._growth, self._last_rows = (T - self._last_rows if 0 < self._last_rows < T else 0), T
+        self._need = max(max_len, Tb, T + 1)
+        if self._need > self.max_len or not self.k_cache:
+            self._alloc(C.cache_positions(self._need) if kept else -(-self._need // 64) * 64)
         m = self.model
         cos, sin = m.rotary_emb(embeds.unsqueeze(0), position_ids)
         inputs = {"x": embeds, "cos": cos[0], "sin": sin[0]}
@@ -168,16 +208,29 @@ class StaticDecoder:
             inputs["valid"] = (torch.arange(Tb, device=self.device) < T).unsqueeze(1)
         inputs["last"] = torch.tensor([T - 1], device=self.device)
         record = tuple(sorted(set(record)))
-        if graph:
-            logits, hidden, states = self._prefill_graph(Tb, record, inputs)
+        key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
+        if graph and self.defer and key not in self._prefill_graphs:
+            self._want(T, key, inputs)
+            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
+            self.last_prefill = "deferred"
+        elif graph:
+            logits, hidden, states = self._prefill_graph(key, inputs)
+            self.last_prefill = "graph"
         elif T > C.LONG_PREFILL_TOKENS:
             logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS)
+            self.last_prefill = "long"
         else:
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, eager_visual)
+            self.last_prefill = "eager"
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
         return Prefilled(logits, hidden, {i: s[:T].unsqueeze(0) for i, s in states.items()})
+
+    def _graphs_for(self, rows: torch.Tensor) -> bool:
+        """Whether this prefill may go through a CUDA graph: graphs enabled (CUDA, INT4 experts throughout) and
+        the MoE free of host syncs."""
+        return self.runner.graph_enabled and self._prefill_capturable(rows)
 
     def _prefill_capturable(self, rows: torch.Tensor) -> bool:
         """Whether every MoE layer's prefill runs without a host sync (orin.int4's fused Triton path): else
@@ -250,28 +303,108 @@ class StaticDecoder:
         hidden = m.norm(x.index_select(0, inputs["last"]))
         return self.head(hidden), hidden.unsqueeze(0), states
 
-    def _prefill_graph(self, Tb: int, record: tuple[int, ...], inputs: dict):
-        """Replay (capturing first where needed) the prefill graph of bucket Tb; outputs are copied out, so
-        the next prefill may overwrite them."""
-        key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
+    def _prefill_graph(self, key: tuple, inputs: dict):
+        """Replay (capturing first where needed) the prefill graph of bucket key (rows, recorded states,
+        deepstack shape); outputs are copied out, so the next prefill may overwrite them."""
+        record = key[1]
         entry = self._prefill_graphs.pop(key, None)
         if entry is None:
             while len(self._prefill_graphs) >= PREFILL_GRAPHS:  # least recently used first
                 self._prefill_graphs.pop(next(iter(self._prefill_graphs)))[0].release()
             # the layer function is captured uncompiled: a prefill is a few large kernels per layer, not
             # worth a compilation per bucket
-            if self._prefill_pool is None:
+            if self._prefill_pool is None and self.device.type == "cuda":
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            entry = (GraphRunner(self.device, True, False, pool=self._prefill_pool),
+            entry = (GraphRunner(self.device, True, False, pool=self._prefill_pool, warmups=PREFILL_CAPTURE_WARMUPS),
                      {k: torch.empty_like(v) for k, v in inputs.items()})
         self._prefill_graphs[key] = entry
         runner, static = entry
         for k, v in inputs.items():
             static[k].copy_(v)
         runner.check = True
-        logits, hidden, states = runner.run(lambda fn: self._prefill_forward(fn, static, record),
-                                            lambda: self._weights() + self.k_cache + self.v_cache)
+        before = runner.captures
+        try:
+            logits, hidden, states = runner.run(lambda fn: self._prefill_forward(fn, static, record),
+                                                lambda: self._weights() + self.k_cache + self.v_cache)
+        except Exception:
+            self._prefill_graphs.pop(key)[0].release()  # no graph-less entry is left to be replayed
+            raise
+        self._prefill_captures += runner.captures - before
         return logits.clone(), hidden.clone(), {i: s.clone() for i, s in states.items()}
+
+    def _want(self, T: int, key: tuple, inputs: dict) -> None:
+        """Note the bucket just prefilled eagerly, and those of the longer prompts likely next (_lookahead), for
+        capture_deferred()."""
+        Tb, record, _ = key
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()}
+        # growing prompts: around the next one's predicted length (this one plus the last growth)
+        lo, hi = T + self._growth // 2, T + self._lookahead()
+        ahead = {prefill_bucket(n) for n in (*range(lo, hi, 64), hi)} - {Tb}
+        nxt = prefill_bucket(min(T + self._growth, C.LONG_PREFILL_TOKENS))
+        # capture_deferred() takes the newest first: the predicted next prompt's bucket and its neighbours, this
+        # prompt's own (a repeat of it) last where prompts grow, first where they do not; the trim drops the
+        # least likely first
+        order = sorted(ahead, key=lambda b: -abs(b - nxt))
+        for rows in ([Tb, *order] if self._growth else [*order, Tb]):
+            if rows > C.LONG_PREFILL_TOKENS:
+                continue
+            spec = {k: (shape[:_ROW_DIM[k]] + (rows,) + shape[_ROW_DIM[k] + 1:] if k in _ROW_DIM else shape, dtype)
+                    for k, (shape, dtype) in shapes.items()}
+            ds = spec.get("ds")
+            wanted = (rows, record, ds[0] if ds else None)
+            if wanted not in self._prefill_graphs:
+                self._wanted.pop(wanted, None)
+                self._wanted[wanted] = spec  # the latest request's buckets are captured first
+        self._trim_wanted()
+
+    def _trim_wanted(self) -> None:
+        # more than the graphs kept would have the idle captures evict each other
+        while len(self._wanted) > PREFILL_GRAPHS // 2:
+            self._wanted.popitem(last=False)
+
+    def _lookahead(self) -> int:
+        return min(PREFILL_LOOKAHEAD_MAX, max(PREFILL_LOOKAHEAD, self._growth * 3 // 2))
+
+    @property
+    def deferred(self) -> int:
+        """Captures capture_deferred() would make now."""
+        return len(self._wanted) + (self._grow_to() is not None)
+
+    def _grow_to(self) -> int | None:
+        """The cache size the next prompts need, when the cache is smaller (a conversation nearing its end)."""
+        if not self.defer or not self.k_cache or self._stepped_by is None:
+            return None
+        size = C.cache_positions(self._need + self._lookahead())
+        return size if size > self.max_len else None
+
+    def capture_deferred(self, stop: Callable[[], bool]) -> int:
+        """While the GPU is idle (a server between requests): grow the cache ahead of a growing conversation
+        (re-capturing the decode step), then capture the wanted prefill buckets, newest first, one at a time
+        until `stop()`. Each writes garbage into the cache, which the next prefill overwrites. Returns the
+        captures made."""
+        made = 0
+        if not self.k_cache:
+            return made
+        size = self._grow_to()
+        if size is not None and not stop():
+            self._alloc(size)
+            self.length = 0
+            self.delta.fill_(0)
+            if self._stepped_by == "tokens":
+                self.step(0)
+            else:
+                self.step_embeds(torch.zeros_like(self.embeds))
+            self.length = 0
+            made += 1
+        while self._wanted and not stop():
+            key, spec = self._wanted.popitem()
+            if key in self._prefill_graphs or key[0] > self.max_len:
+                continue
+            inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in spec.items()}
+            inputs["last"].fill_(key[0] - 1)
+            self._prefill_graph(key, inputs)
+            made += 1
+        return made
 
     def _forward(self, layer_fn, from_tokens: bool):
         m = self.model
@@ -292,6 +425,7 @@ class StaticDecoder:
         self.idx.fill_(self.length)
 
     def step(self, token: int) -> torch.Tensor:
+        self._stepped_by = "tokens"
         self._advance()
         self.tok.fill_(token)
         logits, _ = self.runner.run(lambda fn: self._forward(fn, True), self._weights)
@@ -299,6 +433,7 @@ class StaticDecoder:
         return logits
 
     def step_embeds(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._stepped_by = "embeds"
         self._advance()
         self.embeds.copy_(embeds.reshape(self.embeds.shape))
         logits, hidden = self.runner.run(lambda fn: self._forward(fn, False), self._weights)
@@ -411,6 +546,14 @@ class Decoders:
     @property
     def code_predictor(self) -> CodePredictor:
         return self._get("code_predictor", lambda: CodePredictor(self.model, self.device, self.compile))
+
+    def defer_captures(self, defer: bool) -> None:
+        """A server's setting: prefill buckets are captured while the GPU is idle (capture_deferred), not by
+        the request that first needs one."""
+        self.thinker.defer = self.talker.defer = defer
+
+    def capture_deferred(self, stop: Callable[[], bool]) -> int:
+        return sum(dec.capture_deferred(stop) for dec in self._made.values() if isinstance(dec, StaticDecoder))
 
     def weights_may_have_moved(self) -> None:
         """After a swap: every decoder compares its weights' addresses with its graphs' before the next replay

@@ -18,7 +18,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +102,11 @@ class Engine:
         compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.decoders = Decoders(self.model, self.device, compile)
         self.thinker = Thinker(self.model, self.config, self.device, self.dtype, self.decoders)
+        from .encoder_graphs import EncoderGraphs
+
+        self.vocoder_graphs = EncoderGraphs(self.device)  # code2wav's chunk shapes (orin.vocoder)
         self._heap_frozen = False
+        self._kept_weights = False  # whether the last request's plan kept every weight in place
 
     # ------------------------------------------------------------------ public API
 
@@ -124,6 +128,25 @@ class Engine:
 
     def decoder_stats(self) -> dict:
         return self.decoders.stats()
+
+    def defer_captures(self, defer: bool) -> None:
+        """A server's engine: the CUDA graphs of a prompt bucket or an encoder input shape not seen before are
+        captured between requests (capture_deferred), not by the request that first needs them, which runs
+        eagerly instead: a capture costs about four eager passes, which that request's client would wait for."""
+        self.decoders.defer_captures(defer)
+        self.thinker.encoder_graphs.defer = self.vocoder_graphs.defer = defer
+
+    def capture_deferred(self, stop: Callable[[], bool]) -> int:
+        """The deferred captures, one at a time until `stop()` says a request waits; only where the last request
+        kept every weight in place (all-resident: a time-sliced engine's weights move, and its graphs with them).
+        Returns the captures made."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            if not self._kept_weights:
+                return 0
+            return (self.thinker.encoder_graphs.capture_deferred(stop) + self.vocoder_graphs.capture_deferred(stop)
+                    + self.decoders.capture_deferred(stop))
 
     def prepare(self, req: GenerationRequest):
         """The request's prompt as the model sees it (orin.prompt.Prompt)."""
@@ -162,6 +185,7 @@ class Engine:
                 prompt = self.prepare(req)
                 state.mark("prepared")
                 plan = self._plan(req, prompt)
+                self._kept_weights = plan.keeps_weights
                 state.mark("planned")
                 try:
                     yield from self._pipeline(state, prompt, plan)
@@ -294,6 +318,7 @@ class Engine:
                                                                   plan.keeps_weights)
             self.loader.set_cache_bytes(decoder.cache_bytes())
         state.mark("prefilled")
+        state.mark(f"prefill_{decoder.last_prefill}")  # graph, deferred, eager or long: how it ran
         token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.ttft = time.perf_counter() - state.t0
         state.mark("first_token")
@@ -307,6 +332,7 @@ class Engine:
         # The talker needs two of the prefill's hidden-state layers; the other layers are dead weight during decode.
         del hidden_states
         vocoder = Vocoder(self.model, self.device, state, self._code2wav_stager(plan, state),
+                          self.vocoder_graphs if plan.keeps_weights else None,
                           self.meter.stage) if req.speech else None
         detok = Detokenizer(self.tokenizer)
         while True:

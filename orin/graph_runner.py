@@ -30,8 +30,9 @@ class GraphRunner:
     """Captures a zero-argument step function in a CUDA graph (re-captured when the weights move), or calls
     it eagerly off CUDA; optionally compiles the layer function first."""
 
-    def __init__(self, device: torch.device, graph: bool, compile: bool, pool=None):
+    def __init__(self, device: torch.device, graph: bool, compile: bool, pool=None, warmups: int = 3):
         self.device = device
+        self.warmups = warmups  # runs before the capture: compilation, library handles, workspaces
         self.pool = pool  # a memory pool shared with other graphs that never run at the same time
         self.graph_enabled = graph and device.type == "cuda"
         self.compile = compile
@@ -97,7 +98,7 @@ class GraphRunner:
         side = _capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up: compilation, library handles and workspaces stay out of the capture
+            for _ in range(self.warmups):  # compilation, library handles and workspaces stay out of the capture
                 fn(layer)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()

@@ -278,8 +278,8 @@ def request_tokens(req: Request, dims: dict) -> dict:
 
 def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     t, k = dims["thinker"], dims["talker"]
-    thinker = t["layers"] * 2 * t["kv_heads"] * t["head_dim"] * dtype_bytes * tokens["total"]
-    talker_len = tokens["prompt"] + 9 + tokens["talker_frames"] if tokens["talker_frames"] else 0
+    thinker = t["layers"] * 2 * t["kv_heads"] * t["head_dim"] * dtype_bytes * C.cache_positions(tokens["total"])
+    talker_len = C.cache_positions(tokens["prompt"] + 9 + tokens["talker_frames"]) if tokens["talker_frames"] else 0
     talker = k["layers"] * 2 * k["kv_heads"] * k["head_dim"] * dtype_bytes * talker_len
     cp = dims["code_predictor"]
     predictor = cp["layers"] * 2 * cp["kv_heads"] * cp["head_dim"] * dtype_bytes * (cp["groups"] + 1)

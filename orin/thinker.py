@@ -3,10 +3,58 @@ positions, the prefill and the decode steps (orin.decode), sampling, and detoken
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from .decode import Decoders
 from .errors import ModelError
+
+AUDIO_TOKEN_CACHE_BYTES = 32 << 20  # ~100 six-second turns of a conversation at the real encoder's width
+KEY_TAIL_FRAMES = 3  # an STFT window (400 samples, centred) reaches 200 samples, 1.25 hops, past the last frame
+
+
+class AudioTokenCache:
+    """The audio encoder's tokens of recent audios, keyed by the bytes of their features (length included),
+    least recently used dropped first past AUDIO_TOKEN_CACHE_BYTES."""
+
+    def __init__(self, limit: int = AUDIO_TOKEN_CACHE_BYTES):
+        self.limit = limit
+        self._items: OrderedDict[bytes, object] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.last: dict = {}  # the last call's host seconds (Thinker.encode_audio)
+
+    @staticmethod
+    def keys(feats, lengths: tuple[int, ...]) -> list[bytes]:
+        """One key per audio of a padded [n, mel, frames] batch: a digest of its frames but the last
+        KEY_TAIL_FRAMES and of its length (one copy to the host for all). The batch's padding shapes the STFT
+        windows that reach past an audio's end, so its last frames differ from batch to batch; the same audio
+        in another turn's batch must find its tokens."""
+        host = feats.detach().cpu().numpy()
+        return [hashlib.blake2b(host[i, :, :max(0, n - KEY_TAIL_FRAMES)].tobytes(), digest_size=20,
+                                person=str(n).encode()[:16]).digest() for i, n in enumerate(lengths)]
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._items
+
+    def get(self, key: bytes):
+        self._items.move_to_end(key)
+        self.hits += 1
+        return self._items[key]
+
+    def put(self, key: bytes, tokens) -> None:
+        if key in self._items:
+            return
+        size = tokens.numel() * tokens.element_size()
+        if size > self.limit:
+            return
+        self._items[key] = tokens.clone()  # not a view of the batch's output: that would keep the whole batch
+        self._bytes += size
+        while self._bytes > self.limit:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
 
 
 class Thinker:
@@ -18,17 +66,44 @@ class Thinker:
         self.decoders = decoders
         self.spec = thinker_spec(config.raw)
         self.encoder_graphs = EncoderGraphs(device)
+        self.audio_tokens = AudioTokenCache()
 
     def encode_audio(self, inputs: dict, prompt, graph: bool = False):
         """The audio encoder's tokens [n, H] of every audio of the prompt, in order; the feature lengths come
         from the host (prompt.audio_lengths), so planning the encoder costs no device sync. `graph`: replayed
-        from a CUDA graph per input shape (orin.encoder_graphs; the caller's word that the weights stay put)."""
+        from a CUDA graph per input shape (orin.encoder_graphs; the caller's word that the weights stay put).
+
+        Each audio's tokens are kept (AudioTokenCache, keyed by its features) and only the audios not seen
+        before are encoded, each on its own: a Realtime conversation's prompt holds every turn's audio, and
+        re-encoding all of it each turn cost more than the new turn's prefill. The encoder treats each audio on
+        its own (windows within an audio), so the tokens are those of a batch's pass up to its GEMMs' rounding."""
+        import torch
+
         tower = self.model.thinker.model.audio_tower
-        feats, lengths = inputs["input_features"], prompt.audio_lengths
-        batch = feats.shape[-1] if feats.dim() == 3 else None
-        plan = tower.plan(lengths, batch, feats.device)
-        return self.encoder_graphs.run(("audio", tuple(feats.shape), feats.dtype, lengths), tower, (feats,),
-                                       lambda f: tower(f, lengths), graph, keep=plan)
+        feats, lengths = inputs["input_features"], tuple(prompt.audio_lengths)
+        if feats.dim() != 3:
+            plan = tower.plan(lengths, None, feats.device)
+            return self.encoder_graphs.run(("audio", tuple(feats.shape), feats.dtype, lengths), tower, (feats,),
+                                           lambda f: tower(f, lengths), graph, keep=plan)
+        start = time.perf_counter()
+        keys = self.audio_tokens.keys(feats, lengths)
+        missing = [i for i, key in enumerate(keys) if key not in self.audio_tokens]
+        keyed = time.perf_counter()
+        fresh = {}
+        for i in missing:  # each on its own: no padded batch (whose masked attention cost ~7x), no batch effects
+            n = (lengths[i],)
+            sub = feats[i:i + 1, :, :lengths[i]].contiguous()
+            plan = tower.plan(n, lengths[i], sub.device)
+            fresh[keys[i]] = self.encoder_graphs.run(("audio", tuple(sub.shape), sub.dtype, n), tower, (sub,),
+                                                     lambda f, n=n: tower(f, n), graph, keep=plan)
+        pieces = [fresh[key] if key in fresh else self.audio_tokens.get(key) for key in keys]
+        for key, piece in fresh.items():
+            self.audio_tokens.put(key, piece)
+        # host seconds: the keys (one copy of the features to the host, which waits for them) and the encoder's
+        # launches (the bench's realtime case reports them)
+        self.audio_tokens.last = {"key_s": keyed - start, "encode_s": time.perf_counter() - keyed,
+                                  "audios": len(keys), "encoded": len(missing)}
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def encode_image(self, inputs: dict, prompt, graph: bool = False):
         """orin.vision_encoder.VisionFeatures of every image of the prompt, from the host-side grids."""

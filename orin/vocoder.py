@@ -12,10 +12,12 @@ from .request_state import RequestState
 
 
 class Vocoder:
-    def __init__(self, model, device, state: RequestState, make_resident: Callable[[], None], measure):
-        """`make_resident()` stages code2wav (the engine's residency); `measure(stage)` is the power meter's
-        stage context."""
+    def __init__(self, model, device, state: RequestState, make_resident: Callable[[], None], graphs, measure):
+        """`make_resident()` stages code2wav (the engine's residency); `graphs`: an orin.encoder_graphs
+        EncoderGraphs where code2wav's weights stay put (all-resident), else None; `measure(stage)` is the power
+        meter's stage context."""
         self.model, self.device = model, device
+        self.graphs = graphs
         self.state = state
         self.make_resident = make_resident
         self.measure = measure
@@ -38,7 +40,7 @@ class Vocoder:
             codes = torch.stack(self.frames[self.done - ctx:end], dim=1).unsqueeze(0).to(self.device)
             c2w = self.model.code2wav
             with self.measure("code2wav"):
-                wav = c2w(codes)[..., ctx * int(c2w.total_upsample):]
+                wav = self._decode(c2w, codes)[..., ctx * int(c2w.total_upsample):]
             samples = wav.reshape(-1).float().cpu().numpy()
             new_frames = tuple(tuple(int(c) for c in f.tolist()) for f in self.frames[self.done:end])
             self.done = end
@@ -48,3 +50,14 @@ class Vocoder:
             self.state.audio_samples += samples.size
             yield AudioChunk(samples, self.index, new_frames)
             self.index += 1
+
+    def _decode(self, c2w, codes):
+        """code2wav of one chunk: the schedule's two recurring shapes (the first chunk; a whole chunk with its
+        left context) replayed from CUDA graphs where the weights stay put. Eager, a chunk is ~1,000 small
+        kernels launched from Python, and a server's other threads (a Realtime session's microphone stream)
+        slowed the first chunk from 21 to 137 ms on an H200; the last chunk's length varies and stays eager."""
+        frames = codes.shape[-1]
+        if self.graphs is None or frames not in (C.CODE2WAV_FIRST_CHUNK, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT):
+            return c2w(codes)
+        c2w.prepare(frames, codes.device)  # its host-side tables, outside the capture
+        return self.graphs.run(("code2wav", tuple(codes.shape)), c2w, (codes,), c2w, recurring=True)

@@ -115,3 +115,60 @@ def test_the_gate_is_released_when_the_body_raises():
     assert not gate.busy
     with gate.turn():
         pass
+
+
+def test_spare_work_runs_only_when_idle_and_gives_way_to_a_request():
+    """Spare work (the server's deferred graph captures) starts only on a free GPU with nobody waiting, does not
+    count as busy (no 429 with --max-queue 0, no 'busy' for Realtime), and its stop() turns true as soon as a
+    request queues, which then runs once the work has returned."""
+    gate = Gate(max_queue=0, poll_s=0.01)
+    steps: list = []
+    queued = threading.Event()
+
+    def work(stop):
+        steps.append("start")
+        assert not gate.busy
+        queued.set()
+        _wait_for(stop)  # returns at its next step once the request below queues
+        steps.append("stopped")
+
+    order: list = []
+    runner = threading.Thread(target=gate.spare, args=(work,), daemon=True)
+    runner.start()
+    assert queued.wait(5)
+    go = threading.Event()
+    go.set()
+    req = _hold(gate, threading.Event(), go, order, "request")
+    req.join(5)
+    runner.join(5)
+    assert steps == ["start", "stopped"] and order == ["request"]
+
+    release, entered = threading.Event(), threading.Event()
+    holder = _hold(gate, entered, release, order, "held")
+    assert entered.wait(5)
+    gate.spare(lambda stop: steps.append("ran while busy"))  # not started: a request holds the GPU
+    release.set()
+    holder.join(5)
+    assert "ran while busy" not in steps
+    gate.close()
+    gate.spare(lambda stop: steps.append("ran after close"))
+    assert "ran after close" not in steps
+
+
+def test_wait_spare_returns_once_closed_work_has_stopped():
+    gate = Gate(max_queue=1, poll_s=0.01)
+    started, done = threading.Event(), []
+
+    def work(stop):
+        started.set()
+        _wait_for(stop)
+        time.sleep(0.05)  # the step in progress when close() came
+        done.append(True)
+
+    t = threading.Thread(target=gate.spare, args=(work,), daemon=True)
+    t.start()
+    assert started.wait(5)
+    gate.close()
+    gate.wait_spare()
+    assert done == [True]
+    t.join(5)

@@ -227,6 +227,7 @@ def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
 
     from orin.contract import GenerationRequest
     from orin.media import synth_image, synth_speechlike
+    from orin.thinker import AudioTokenCache
 
     engine = cuda_engine
     parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(2.0)},
@@ -234,6 +235,7 @@ def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
     prompt = engine.prepare(GenerationRequest(messages=({"role": "user", "content": parts},)))
     x = {k: (v.to("cuda") if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
     graphs = engine.thinker.encoder_graphs
+    engine.thinker.audio_tokens = AudioTokenCache(limit=0)  # keeps nothing: the encoder runs every time
     with torch.inference_mode():
         for comp in ("audio_encoder", "vision_encoder"):
             engine.loader.ensure(comp)
@@ -249,6 +251,7 @@ def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
         engine.loader.evict("audio_encoder")
         engine.loader.ensure("audio_encoder")
         assert torch.equal(engine.thinker.encode_audio(x, prompt, graph=True), eager_a)
+    engine.thinker.audio_tokens = AudioTokenCache()
 
 
 def _predictor_frame(engine, seed: int):
@@ -367,3 +370,47 @@ def test_packed_copies_give_the_converted_buffers_on_cuda(cuda_engine, tmp_path)
     finally:
         loader.packed = None
         engine.decoders.weights_may_have_moved()
+
+
+def test_deferred_captures_give_the_eager_results(cuda_engine):
+    """A server's engine (defer_captures): the first request of a shape runs its prefills and encoders eagerly
+    and captures nothing; the idle turn captures the buckets (and an encoder shape once seen twice); the requests
+    that replay them give the same tokens, codec frames and audio (code2wav's chunks replayed too), the same as
+    without deferral."""
+    import torch
+
+    from orin.contract import AudioChunk, GenerationRequest
+    from orin.media import synth_speechlike
+    from orin.thinker import AudioTokenCache
+
+    engine = cuda_engine
+    parts = [{"type": "audio", "audio": synth_speechlike(2.0)}, {"type": "text", "text": "Answer."}]
+    req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=8, max_audio_frames=6,
+                            ignore_eos=True)
+
+    def run():
+        engine.thinker.audio_tokens = AudioTokenCache()  # the encoder runs each time (its graphs are under test)
+        events = list(engine.stream(req))
+        frames = [f for e in events if isinstance(e, AudioChunk) for f in e.frames]
+        samples = [e.samples.tobytes() for e in events if isinstance(e, AudioChunk)]
+        return events[-1].report.token_ids, frames, samples
+
+    thinker, graphs = engine.decoders.thinker, engine.thinker.encoder_graphs
+    reference = run()  # captures inline, as the CLI and the bench do
+    engine.defer_captures(True)
+    try:
+        for dec in (thinker, engine.decoders.talker):
+            dec.release()
+        graphs.release()
+        engine.vocoder_graphs.release()
+        before = (thinker.prefill_captures, graphs.captures)
+        assert run() == reference
+        assert (thinker.prefill_captures, graphs.captures) == before  # the request captured no prefill or encoder
+        assert engine.capture_deferred(lambda: False) > 0
+        assert thinker.prefill_captures > before[0] and engine.vocoder_graphs.captures > 0
+        assert run() == reference  # replayed; the encoder's shape now seen twice
+        assert engine.capture_deferred(lambda: False) > 0 and graphs.captures > before[1]
+        with torch.inference_mode():
+            assert run() == reference
+    finally:
+        engine.defer_captures(False)

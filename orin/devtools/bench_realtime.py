@@ -108,47 +108,122 @@ def _turn(conn, question, barge_in: bool) -> dict:
     return out
 
 
-def measure_realtime(engine, model_dir: str, question_path: str, log_fn, *, turns: int = 3,
-                     silence_ms: int = 500, max_speech_seconds: float = 20.0) -> dict:
-    """`turns` spoken questions answered in speech, then one barge-in, on one session; seconds per turn."""
-    import openai
+def _encoder_alone(engine, question) -> float:
+    """Seconds of one eager audio-encoder pass over the question, the engine alone in the process (best of 3):
+    the turns' encoder times beside it show what the server's other threads cost the eager path."""
+    import torch
 
-    from ..serve.app import ServeConfig, Server
+    from ..contract import GenerationRequest
+    from ..media import resample
+    from ..thinker import AudioTokenCache
 
-    question = load_question(question_path)
-    srv = Server(ServeConfig(model_dir=model_dir, port=0, device=str(engine.device), power_backend="none",
-                             warmup=False, max_speech_seconds=max_speech_seconds, verify_checksums=False),
-                 engine=engine).start()
+    audio = resample(question, 24_000, 16_000)
+    prompt = engine.prepare(GenerationRequest(messages=({"role": "user", "content": [
+        {"type": "audio", "audio": audio}]},)))
+    inputs = {k: (v.to(engine.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
+    engine.loader.ensure("audio_encoder")
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.thinker.audio_tokens = AudioTokenCache()
+            start = time.perf_counter()
+            engine.thinker.encode_audio(inputs, prompt, graph=False)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            best = min(best, time.perf_counter() - start)
+    engine.thinker.audio_tokens = AudioTokenCache()
+    return best
+
+
+def _client(url: str, model: str, question, turns: int, silence_ms: int, out) -> None:
+    """The client's side, in a process of its own as on a robot (in the server's process its threads took the
+    GIL from the engine's eager launches: an audio-encoder pass of 10 ms took 80-110 ms): `turns` spoken
+    questions answered in speech after a warm-up turn, then a barge-in; each turn's figures go to `out` (a
+    multiprocessing queue), then None, or the error's text."""
     try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="bench", max_retries=0,
-                               websocket_base_url=srv.url.replace("http://", "ws://") + "/v1")
-        with client.realtime.connect(model=srv.model_name) as conn:
+        import openai
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0,
+                               websocket_base_url=url.replace("http://", "ws://") + "/v1")
+        with client.realtime.connect(model=model) as conn:
             conn.send({"type": "session.update", "session": {
                 "type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 64,
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000},
                                     "turn_detection": {"type": "server_vad", "silence_duration_ms": silence_ms}},
                           "output": {"voice": "ethan"}}}})
-            rows = []
             for i in range(turns + 1):
                 r = _turn(conn, question, barge_in=False)
-                if i == 0:
-                    continue  # warm-up: the first response pays one-off costs (graph captures)
+                if i:  # the first response is a warm-up: it pays one-off costs (graph captures)
+                    out.put(("turn", r))
+            out.put(("barge", _turn(conn, question, barge_in=True)))
+        out.put(None)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def measure_realtime(engine, model_dir: str, question_path: str, log_fn, *, turns: int = 3,
+                     silence_ms: int = 500, max_speech_seconds: float = 20.0) -> dict:
+    """`turns` spoken questions answered in speech, then one barge-in, on one session; seconds per turn. The
+    server runs here around `engine`; the client (the official `openai` package) in a child process."""
+    import multiprocessing
+
+    from ..decode import prefill_bucket
+    from ..serve.app import ServeConfig, Server
+
+    question = load_question(question_path)
+    encoder_alone = _encoder_alone(engine, question)
+    srv = Server(ServeConfig(model_dir=model_dir, port=0, device=str(engine.device), power_backend="none",
+                             warmup=True, max_speech_seconds=max_speech_seconds, verify_checksums=False),
+                 engine=engine).start()
+    rows, barge = [], None
+    try:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA and the server's threads
+        results = ctx.Queue()
+        child = ctx.Process(target=_client, args=(srv.url, srv.model_name, question, turns, silence_ms, results),
+                            name="bench-realtime-client", daemon=True)
+        child.start()
+        try:
+            while (msg := results.get(timeout=600)) is not None:
+                kind, r = msg
+                if kind == "error":
+                    raise RuntimeError(f"the realtime client failed: {r}")
+                if kind == "barge":
+                    barge = {"status": r["status"],
+                             "to_silence_s": max(0.0, r["last_audio"] - r["barge_started"])
+                             if "barge_started" in r else None,
+                             "to_done_s": r["done"] - r["barge_started"] if "barge_started" in r else None,
+                             "server_interrupt_to_stop_s": r["orin"].get("interrupt_to_stop_s")}
+                    log_fn(f"[realtime] barge-in: {barge}")
+                    continue
+                orin = r["orin"]
+                timeline = orin.get("timeline_s") or {}
                 rows.append({"vad_window_s": r["stopped"] - r["speech_end"],
                              "server_s": r["first_audio"] - r["stopped"],
-                             "voice_to_voice_s": r["first_audio"] - r["speech_end"], "status": r["status"]})
-                log_fn(f"[realtime] turn {i}: speech end -> stopped {rows[-1]['vad_window_s']:.3f} s, "
-                       f"stopped -> first audio {rows[-1]['server_s']:.3f} s")
-            b = _turn(conn, question, barge_in=True)
-            barge = {"status": b["status"],
-                     "to_silence_s": max(0.0, b["last_audio"] - b["barge_started"]) if "barge_started" in b else None,
-                     "to_done_s": b["done"] - b["barge_started"] if "barge_started" in b else None,
-                     "server_interrupt_to_stop_s": b["orin"].get("interrupt_to_stop_s")}
-            log_fn(f"[realtime] barge-in: {barge}")
+                             "voice_to_voice_s": r["first_audio"] - r["speech_end"], "status": r["status"],
+                             # the engine's own view: from its start to the first token and audio, and whether
+                             # the prefill replayed its bucket's graph (captured while idle) or ran eagerly
+                             "prompt_tokens": orin.get("prompt_tokens"), "engine_ttft_s": orin.get("ttft_s"),
+                             "engine_first_audio_s": orin.get("first_audio_s"), "timeline_s": timeline,
+                             "bucket": prefill_bucket(orin.get("prompt_tokens") or 1),
+                             "prefill_path": next((k[len("prefill_"):] for k in timeline
+                                                   if k.startswith("prefill_")), None),
+                             "audio_encoder_host": dict(engine.thinker.audio_tokens.last)})
+                row = rows[-1]
+                log_fn(f"[realtime] turn {len(rows)}: speech end -> stopped {row['vad_window_s']:.3f} s, "
+                       f"stopped -> first audio {row['server_s']:.3f} s ({row['prompt_tokens']} prompt tokens, "
+                       f"engine ttft {row['engine_ttft_s'] or 0:.3f} s, first audio "
+                       f"{row['engine_first_audio_s'] or 0:.3f} s, prefill {row['prefill_path']})")
+        finally:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
     finally:
         srv.stop()
+    if not rows or barge is None:
+        raise RuntimeError("the realtime client ended without its turns")
     server = [r["server_s"] for r in rows]
     return {"question_s": len(question) / 24_000, "silence_duration_ms": silence_ms, "turns": rows,
             "server_s_median": statistics.median(server), "server_s_max": max(server),
             "vad_window_s_median": statistics.median(r["vad_window_s"] for r in rows),
             "voice_to_voice_s_median": statistics.median(r["voice_to_voice_s"] for r in rows),
-            "barge_in": barge}
+            "barge_in": barge, "audio_encoder_alone_s": encoder_alone, "client": "separate process"}

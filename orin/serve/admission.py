@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -36,6 +36,7 @@ class Gate:
         self._waiting: deque[int] = deque()
         self._tickets = itertools.count()
         self._busy = False
+        self._spare = False  # the GPU is held for spare work, which stops for the first request that queues
         self._closed = False
 
     @property
@@ -45,8 +46,9 @@ class Gate:
 
     @property
     def busy(self) -> bool:
+        """A request holds the GPU (spare work does not count: it gives way within one step)."""
         with self._cond:
-            return self._busy
+            return self._busy and not self._spare
 
     def close(self) -> None:
         """Refuse new entries and wake the waiting ones, which raise Closed. The running one finishes."""
@@ -58,13 +60,34 @@ class Gate:
         self._waiting.remove(ticket)
         self._cond.notify_all()
 
+    def spare(self, work: Callable[[Callable[[], bool]], object]) -> None:
+        """Run `work(stop)` on the GPU when it is free and nobody waits (else not at all); `stop()` turns true
+        once a request queues or the server stops, and `work` must then return at its next step. The request
+        waits for that step, not for the whole work."""
+        with self._cond:
+            if self._busy or self._waiting or self._closed:
+                return
+            self._busy = self._spare = True
+        try:
+            work(lambda: bool(self._waiting) or self._closed)
+        finally:
+            with self._cond:
+                self._busy = self._spare = False
+                self._cond.notify_all()
+
+    def wait_spare(self) -> None:
+        """Until spare work (stopped by close()) has returned."""
+        with self._cond:
+            while self._spare:
+                self._cond.wait(self._poll_s)
+
     @contextmanager
     def turn(self, cancel: threading.Event | None = None) -> Iterator[None]:
         """Hold the GPU for the body of the with-block."""
         with self._cond:
             if self._closed:
                 raise Closed()
-            if self._busy or self._waiting:
+            if (self._busy and not self._spare) or self._waiting:  # spare work gives way: no queue slot
                 if len(self._waiting) >= self.max_queue:
                     raise QueueFull()
             ticket = next(self._tickets)

@@ -183,12 +183,14 @@ class Server:
                 self.notifier.status(f"loading {self.cfg.model_dir}")
                 self.worker.engine = open_engine(self.cfg)
             self.model_name = self.cfg.served_model_name or self.engine.model_name
+            self.engine.defer_captures(True)
             if self._stop_requested.is_set():
                 return self
             if self.cfg.warmup:
                 self.state = "warming up"
                 self.notifier.status("warming up")
                 self.warm_up()
+                self.worker.spare()  # the warm-up's captures, before the first client
             if self._stop_requested.is_set():
                 return self
             self.state = "ready"
@@ -205,12 +207,16 @@ class Server:
         return self
 
     def warm_up(self):
-        """One short request through every stage that serving uses (text and speech), so the first client does
-        not pay for first-call compilation and segment loading. Returns its report."""
+        """One short request through every stage that serving uses (two audios of different lengths, an image,
+        text and speech), so the first client does not pay for first-call compilation, lazily loaded kernels
+        (the padded audio batch's attention, the FFTs of the features) and segment loading. Returns its report."""
         from ..contract import GenerationRequest
+        from ..media import synth_image, synth_speechlike
 
         start = time.perf_counter()
-        req = GenerationRequest(messages=({"role": "user", "content": "Hello."},), max_new_tokens=4, speech=True,
+        parts = [{"type": "audio", "audio": synth_speechlike(1.0)}, {"type": "audio", "audio": synth_speechlike(0.6)},
+                 {"type": "image", "image": synth_image(64)}, {"type": "text", "text": "Hello."}]
+        req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=4, speech=True,
                                 max_audio_frames=8)
         with self.gate.turn():
             _text, _audio, report = self.engine.generate(req)
@@ -243,6 +249,9 @@ class Server:
             deadline = time.monotonic() + 30.0
             while self.gate.busy and time.monotonic() < deadline:
                 time.sleep(0.05)
+        self.gate.wait_spare()  # a capture between requests ends at its step; the engine may close after it
+        if not self._owns_engine and self.engine is not None:
+            self.engine.defer_captures(False)  # a shared engine goes back to capturing as it did before
         # The responses to what ran are written by now, or soon: uvicorn closes their connections after them.
         if self._listener is not None and not self._listener.join(10.0):
             log.warning("connections still open after the drain; leaving them to the process's exit")

@@ -15,6 +15,7 @@ the generation metrics, recorded before the GPU is released.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from .protocol import to_api_error
 # A test hook, called on the worker thread with ("admitted", None, cancel) once the request holds the GPU and
 # ("event", event, cancel) for each engine event, so a test can hold a request at a known point.
 Hook = Callable[[str, object, threading.Event], None]
+
+log = logging.getLogger("orin.serve.app")  # one logger for the server's lines, whichever module writes them
 
 _END = object()  # the thread is done; after a Done event it is never read
 
@@ -96,6 +99,21 @@ class Worker:
             run.put(exc)
         finally:
             run.put(_END)
+        self.spare()
+
+    def spare(self) -> None:
+        """While the GPU is idle and nobody waits: the engine's deferred CUDA-graph captures (a prompt bucket or
+        an encoder shape a request ran eagerly), so that later requests replay them and none waits for one."""
+        def capture(stop) -> None:
+            try:
+                made = self.engine.capture_deferred(stop)
+            except Exception:  # noqa: BLE001 - a failed capture leaves that shape eager; serving goes on
+                log.warning("a deferred CUDA-graph capture failed; that shape stays eager", exc_info=True)
+                return
+            if made:
+                log.debug("captured %d deferred CUDA graph(s) while idle", made)
+        if self.engine is not None:
+            self.gate.spare(capture)
 
     def _generate(self, req: GenerationRequest, run: Run) -> None:
         cancel = run.cancel
