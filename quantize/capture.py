@@ -11,7 +11,8 @@ decoder (57 GiB in BF16) streams through one layer at a time. Two BF16 passes ha
   sweep of their first-layer calls over the decoder layers (:func:`thinker_logits`);
 - the speech pass: ``model.generate(return_audio=True)`` with greedy thinker and talker, exactly as a request is
   served: the thinker's replies for a wave of conversations are generated with its layers streamed
-  (quantize.gate), then generate() goes on with each reply and the talker loaded whole; hooks record what the
+  (quantize.gate; a prefill's logits computed at its last position only, the one generate() reads), then
+  generate() goes on with each reply and the talker loaded whole; hooks record what the
   talker decoder, the code predictor and code2wav's pre-transformer are fed at every step (the talker's prompt is
   built by generate() from the thinker's embeddings and its ``accept_hidden_layer`` hidden states of the prompt
   and the generated reply). The steps are concatenated into whole sequences and run once more, teacher-forced,
@@ -441,6 +442,39 @@ def talker_codes(model, seq: TalkerSequence, layer0: torch.nn.Module | None = No
     return logits.argmax(-1).cpu(), calls.get("talker", [])
 
 
+def decode_switches(module: torch.nn.Module) -> list[tuple[object, str]]:
+    """The (config, attribute) pairs of `module`'s models whose experts implementation transformers' generate()
+    switches for its decoding steps on a GPU (GenerationMixin._optimize_model_for_decode: grouped_mm to
+    batched_mm, then back): per-conversation state when several generate() calls share the model."""
+    configs = {id(m.config): m.config for m in module.modules()
+               if hasattr(getattr(m, "config", None), "_experts_implementation_internal")}
+    return [(config, "_experts_implementation_internal") for config in configs.values()]
+
+
+@contextlib.contextmanager
+def last_position_logits(lm_head: torch.nn.Module) -> Iterator[None]:
+    """lm_head applied to the last position only of a multi-position input, while inside: generate() reads a
+    prefill's logits there alone, and the whole [positions, vocab] tensor is 0.3 MB per prompt token at the real
+    widths. (The last row is the full product's up to the matmul's rounding; on the tiny model, bit for bit.)"""
+    def hook(_mod, args):
+        if args and args[0].dim() == 3 and args[0].shape[1] > 1:
+            return (args[0][:, -1:], *args[1:])
+        return None
+
+    handle = lm_head.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def release_thread_workspaces(device: torch.device) -> None:
+    """Free the cuBLAS workspaces of finished threads: torch keeps one per handle and stream (32 MiB on Hopper) in
+    the caching allocator for the life of the process, and the layer gate ran one thread per conversation."""
+    if device.type == "cuda" and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 @dataclass(frozen=True)
 class SpeechStreaming:
     """How the speech pass streams the thinker: replies of up to `wave` conversations are generated together (one
@@ -508,7 +542,8 @@ def capture_speech_pass(model, residency, samples, stacks: set[str], settings: S
     layers = A.STACK_OF["thinker_text"].layers
     gate = LayerGate(model.get_submodule(layers), lambda i: residency.load(f"{layers}.{i}"),
                      lambda i: residency.release(f"{layers}.{i}"), keep=streaming.keep_layers,
-                     swapped=[(model.thinker.model, "rope_deltas")], device=residency.device)
+                     swapped=[(model.thinker.model, "rope_deltas"), *decode_switches(model.thinker)],
+                     device=residency.device)
     # generate(return_audio=True) reads only these hidden states of the thinker's; the others are never kept.
     read = sorted({0, model.config.talker_config.accept_hidden_layer})
     replies: dict[str, tuple] = {}
@@ -519,12 +554,14 @@ def capture_speech_pass(model, residency, samples, stacks: set[str], settings: S
             args, kwargs = thinker_call(model, sample, settings, residency.device)
             jobs.append(lambda a=args, k={**kwargs, "output_hidden_states": read}: model.thinker.generate(*a, **k))
         desc = f"speech pass: {len(batch)} replies, the thinker's layers streamed"
-        with quiet_generation(), runner.progress.bar(settings.reply_tokens, desc, unit="token") as bar:
+        with quiet_generation(), last_position_logits(model.thinker.lm_head), \
+                runner.progress.bar(settings.reply_tokens, desc, unit="token") as bar:
             gate.on_sweep = lambda: bar.update(1)  # a sweep is a token of every reply (the first: the prompt)
             for sample, (result, error) in zip(batch, gate.run(jobs), strict=True):
                 if result is not None:
                     result.past_key_values = None  # generate(return_audio=True) reads no cache of the thinker's
                 replies[sample.name] = (result, error)
+        release_thread_workspaces(residency.device)
 
     def work(sample, heldout: bool):
         reply = replies.pop(sample.name)

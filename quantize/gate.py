@@ -8,8 +8,15 @@ conversation order, each until its next gate), then releases the layer (unless i
 stay loaded for the whole run). A decoding step of every conversation therefore costs one sweep over the stack.
 
 Nothing runs concurrently, so each conversation computes exactly what a generate() of its own would; state that
-generate() keeps on a module between steps (the thinker's M-RoPE `rope_deltas`) is per conversation: `swapped`
-names such attributes, saved when a thread hands control back and restored before it runs again.
+generate() keeps on a module between steps is per conversation: `swapped` names such attributes, saved when a
+thread hands control back and restored before it runs again. Two kinds matter: the thinker's M-RoPE `rope_deltas`,
+and the experts implementation that transformers' generate() switches on the model's configs for its decoding
+steps on a GPU (grouped_mm to batched_mm): shared, that switch made the next conversation's prefill run
+batched_mm, which copies each token's experts' weights ([tokens x top_k, 2 x moe_intermediate, hidden] BF16:
+50 MB per prompt token at the real widths).
+
+A job that fails keeps its exception (the caller decides: a skipped conversation, or a stop), not the tensors its
+frames held when it failed: the traceback's frames are cleared.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
+
+from .skips import release_frames
 
 
 class _Cancelled(BaseException):
@@ -91,6 +100,7 @@ class LayerGate:
         except _Cancelled:
             pass
         except BaseException as exc:  # handed to the caller, which decides (a skipped conversation, or a stop)
+            release_frames(exc)
             job.error = exc
         finally:
             job.done = True

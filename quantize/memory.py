@@ -9,8 +9,9 @@ What can vary, fastest first:
 - how many thinker layers stay loaded through the speech pass's sweeps (`keep_layers`: each one kept is read
   from disk once instead of once per reply token).
 What cannot: one decoder layer of the largest stack with its GPTQ working set, the thinker's encoders and
-embeddings through the BF16 passes, and the talker with code2wav through the speech pass. A limit below that
-fails here, naming the option to change and the least it must be.
+embeddings through the BF16 passes, and the talker with code2wav through the speech pass, with what one
+conversation works in there (its longest: `speech_working_set`). A limit below that fails here, naming the option
+to change and the least it must be.
 
 The figures are estimates from the model's shapes and the encoded calibration set (token counts per
 conversation), with margins for the allocator and library workspaces. On CUDA the GPU limit is also enforced
@@ -41,6 +42,12 @@ HOST_MARGIN = 1536 << 20
 CALL_BYTES_PER_UNIT = 2.5
 # The report's logits comparison in float32, LOGIT_ROWS positions of two conversations' logits at a time.
 LOGITS_WORK = 2 * 4 * 1024 * 152064
+# On CUDA each thread that runs a matmul has a cuBLAS handle of its own, and torch keeps a workspace per handle in
+# the caching allocator (32 MiB on Hopper, ~8 MiB before it, plus cuBLASLt's 1 MiB): the speech pass's layer gate
+# runs each conversation of a wave in a thread.
+THREAD_WORKSPACE = 33 << 20
+# code2wav decodes at most this many codec frames at once (transformers' chunked_decode: 300 and 25 of context).
+CODE2WAV_CHUNK = 325
 
 
 @dataclass
@@ -72,6 +79,7 @@ class Sizes:
     """What the plan reads off the model and the calibration set, in bytes (BF16 weights)."""
 
     layer: dict  # stack -> its largest layer
+    staging: int  # the largest tensor of a thinker decoder layer: loading it holds its parts beside it
     layers: dict  # stack -> number of layers
     shell: int  # the thinker's encoders and embeddings
     head: int  # the thinker's final norm and lm_head
@@ -84,6 +92,7 @@ class Sizes:
     logits: int  # one conversation's logits (the longest's), BF16
     inputs: int  # the encoded calibration set (pixels, audio features, token ids), in host memory
     per_reply: int  # one speech-pass conversation's KV cache and kept hidden states, on the device
+    speech_work: int  # what one speech-pass conversation (the longest) works in beside that, at its largest
     speech_convs: int  # conversations the speech pass generates replies for
     speech_acts: int  # the speech stacks' calls the speech pass collects
 
@@ -98,6 +107,8 @@ def measure(skeleton, config, samples, stacks: set[str], comps: set[str], target
         mods = skeleton.get_submodule(s.layers)
         layers[s.component] = len(mods)
         layer[s.component] = max(module_bytes(skeleton, f"{s.layers}.{i}") for i in range(len(mods)))
+    staging = max(p.numel() * p.element_size() for p in skeleton.get_submodule(A.STACK_OF["thinker_text"].layers)
+                  .parameters())
     shell = sum(module_bytes(skeleton, p) for p in THINKER_SHELL)
     head = sum(module_bytes(skeleton, p) for p in THINKER_HEAD)
     speech = module_bytes(skeleton, "talker") + module_bytes(skeleton, "code2wav")
@@ -136,13 +147,81 @@ def measure(skeleton, config, samples, stacks: set[str], comps: set[str], target
     encoded = sum(tree_bytes(s.inputs) + tree_bytes(getattr(s, "prompt_inputs", {})) for s in samples)
     patches = max((sum(int(s.inputs[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in s.inputs)
                    for s in samples), default=0)
-    encode = 24 * patches * vision.hidden_size + 24 * biggest.tokens * text.hidden_size
-    kv_width = 2 * text.num_key_value_heads * text.head_dim * 2 * text.num_hidden_layers
-    per_reply = (biggest.tokens + settings.reply_tokens) * (kv_width + 2 * 2 * text.hidden_size)
+    encode = encoder_working_set(config, patches, biggest.tokens)
+    per_reply = reply_bytes(config, biggest.tokens, settings.reply_tokens)
+    speech_work = max(encode, speech_working_set(config, biggest.tokens, settings, "code2wav" in stacks))
     speech_acts = sum(acts[s] for s in ("talker", "code_predictor", "code2wav") if s in stacks)
-    return Sizes(layer, layers, shell, head, speech, solver, {s: a for s, a in acts.items() if s in stacks},
+    return Sizes(layer, staging, layers, shell, head, speech, solver, {s: a for s, a in acts.items() if s in stacks},
                  {s: c for s, c in capture.items() if s in stacks}, encode, refs, logits, encoded, per_reply,
-                 n_speech, speech_acts)
+                 speech_work, n_speech, speech_acts)
+
+
+def encoder_working_set(config, patches: int, tokens: int) -> int:
+    """The largest transient of one conversation's pass through the thinker's encoders and embeddings (vision
+    patches, prompt tokens)."""
+    tc = config.thinker_config
+    return 24 * patches * tc.vision_config.hidden_size + 24 * tokens * tc.text_config.hidden_size
+
+
+def reply_bytes(config, tokens: int, reply_tokens: int) -> int:
+    """What the thinker's reply to a conversation of `tokens` tokens holds while the speech pass keeps it: its KV
+    cache through generate() (dropped once done), and the two hidden states generate(return_audio=True) reads of
+    every position (the embeddings and those of accept_hidden_layer)."""
+    text = config.thinker_config.text_config
+    kv_width = 2 * text.num_key_value_heads * text.head_dim * 2 * text.num_hidden_layers
+    return (tokens + reply_tokens) * (kv_width + 2 * 2 * text.hidden_size)
+
+
+def speech_working_set(config, tokens: int, settings, decode_audio: bool) -> int:
+    """Bytes one speech-pass conversation of `tokens` tokens works in at its largest, beside the reply it keeps
+    (Sizes.per_reply), as quantize/capture.py runs it (grouped_mm experts in every prefill, a prefill's logits at
+    its last position only): the largest of its thinker prefill (thinker_prefill_bytes), its talker side
+    (talker_side_bytes) and, when code2wav is calibrated (decode_audio), code2wav's decode of its speech: ~10
+    bytes per channel and output sample of the last upsampling stage (1.84 MB a frame at the real widths, 1.70
+    MB measured on the CPU), CODE2WAV_CHUNK frames at most."""
+    import math
+
+    audio = 0
+    if decode_audio:
+        c2w = config.code2wav_config
+        channels = c2w.decoder_dim >> len(c2w.upsample_rates)
+        samples = math.prod(c2w.upsample_rates) * math.prod(c2w.upsampling_ratios)
+        audio = 10 * channels * samples * min(settings.speech_frames, CODE2WAV_CHUNK)
+    return max(thinker_prefill_bytes(config, tokens), talker_side_bytes(config, tokens, settings), audio)
+
+
+def _moe_bytes(width: int, intermediate: int, top_k: int) -> int:
+    """Per token, a grouped_mm MoE at its largest: the routed copies of the hidden states beside the expert
+    outputs, the weighted and the reordered rows (4 x top_k rows of `width`), or beside the up projection and
+    its activation; BF16."""
+    return 2 * top_k * max(4 * width, width + 4 * intermediate)
+
+
+def thinker_prefill_bytes(config, tokens: int) -> int:
+    """A conversation's prefill through one thinker decoder layer in the layer gate, per token: the MoE, or the
+    attention (q/k/v and their float32 norms), beside the layer's residual stream, the router's scores and the
+    sort's indices: 145 KiB at the real widths (143 KiB measured on the CPU)."""
+    text = config.thinker_config.text_config
+    heads, kv_heads, head_dim = text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    attention = 2 * (heads + 2 * kv_heads) * head_dim + 4 * 3 * (heads + kv_heads) * head_dim
+    moe = _moe_bytes(text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok)
+    return tokens * (max(moe, attention) + 2 * 4 * text.hidden_size + 6 * text.num_experts
+                     + 32 * text.num_experts_per_tok)
+
+
+def talker_side_bytes(config, tokens: int, settings) -> int:
+    """A conversation's talker side, per token of prompt, reply and speech: generate()'s talker prefill (its MoE,
+    its residual stream and shared expert, the KV cache and every layer's hidden states that generate() keeps,
+    the thinker's states concatenated into the talker's prompt), then the teacher-forced replay (less): 138 KiB
+    at the real widths (with 2 of the talker's 20 layers: 84 KiB, 75 KiB measured on the CPU)."""
+    hidden = config.thinker_config.text_config.hidden_size
+    talker = config.talker_config.text_config
+    width, layers = talker.hidden_size, talker.num_hidden_layers
+    kept = 2 * width * (layers + 1) + 2 * 2 * layers * talker.num_key_value_heads * talker.head_dim
+    stream = 2 * width * 6 + 2 * 2 * hidden + 2 * width * 4  # layer stream, shared expert; thinker states, prompt
+    per_token = _moe_bytes(width, talker.moe_intermediate_size, talker.num_experts_per_tok) + kept + stream \
+        + 32 * talker.num_experts_per_tok
+    return (tokens + settings.reply_tokens + settings.speech_frames) * per_token
 
 
 def _audio_tokens(inputs: dict, n_window: int) -> int:
@@ -181,8 +260,13 @@ def make_plan(sizes: Sizes, device: str, max_gpu: int, max_host: int, host_base:
             gpu["thinker_pass"] = (sizes.shell + sizes.head + sizes.layer["thinker_text"] + sizes.encode
                                    + sizes.logits + on_device)
         if speech:
-            gpu["speech_pass"] = (sizes.shell + sizes.head + sizes.speech + (keep + 1) * sizes.layer["thinker_text"]
-                                  + wave * sizes.per_reply + on_device)
+            # while the gate runs a wave: the thinker's loaded layers, each conversation's reply so far and its
+            # thread's cuBLAS workspace, and either one conversation's working set or the next layer's staging
+            # (the talker's side comes after the wave, with less: the layers and workspaces are gone by then)
+            loaded = min(keep + 1, sizes.layers["thinker_text"]) * sizes.layer["thinker_text"]
+            per_conversation = sizes.per_reply + (THREAD_WORKSPACE if cuda else 0)
+            gpu["speech_pass"] = (sizes.shell + sizes.head + sizes.speech + loaded + wave * per_conversation
+                                  + max(sizes.speech_work, sizes.staging) + on_device)
         for s in stacks:
             stack_acts = sizes.acts.get(s, 0)
             # the calls, this layer's outputs beside its inputs, a stage's captures, the layer (its fused experts
@@ -238,7 +322,8 @@ def _what(stage: str) -> str:
     if stage.startswith("gptq_"):
         return f"GPTQ of one {stage[5:].replace('_', ' ')} layer"
     return {"thinker_pass": "the thinker pass: the encoders, the embeddings and one decoder layer",
-            "speech_pass": "the speech pass: the talker and code2wav, the thinker's encoders and one of its layers",
+            "speech_pass": "the speech pass: the talker and code2wav, the thinker's encoders and one of its layers, "
+                           "and one conversation's working memory",
             "base": "the interpreter, the BF16 reference logits and read buffers",
             "passes": "the calibration activations in host memory"}.get(stage, stage)
 

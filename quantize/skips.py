@@ -4,6 +4,8 @@ fails only below MIN_CALIBRATION usable conversations per stack."""
 
 from __future__ import annotations
 
+import gc
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +42,17 @@ def exception_text(exc: BaseException) -> str:
     if not isinstance(exc, InputError):
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames in `exc`'s tracebacks (its cause and context included):
+    the tensors a failed forward pass held die then, not with the exception, which its frames often reference
+    back (a cycle only the garbage collector breaks, whenever it runs)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # frames still running are left alone
+        exc = exc.__cause__ or exc.__context__
 
 
 @dataclass(frozen=True)
@@ -115,8 +128,9 @@ class PassRunner:
         calibration conversations must have ("text": all), or to a tuple of modalities, any of which will do
         (the vision encoder's: an image or a video). `prepare(samples)`, when given, runs before work() for up
         to `batch` samples at once: the sample about to run and those expected next (work whose cost is shared
-        between conversations, such as the speech pass's streamed replies); what it prepares never changes which
-        conversations are used."""
+        between conversations, such as the speech pass's streamed replies), fewer while samples prepared before
+        have not run yet, so that at most `batch` are prepared and waiting at any time; what it prepares never
+        changes which conversations are used."""
         needs = {title: (m,) if isinstance(m, str) else tuple(m) for title, m in (needs or {}).items()}
         queue = [s for s in samples if s.heldout]
         candidates = [s for s in samples if not s.heldout]
@@ -136,13 +150,20 @@ class PassRunner:
             tried.add(id(sample))
             if prepare is not None and id(sample) not in prepared:
                 ahead = [sample] + [s for s in upcoming() if id(s) not in prepared and s is not sample]
-                ahead = ahead[:max(1, batch)]
+                waiting = len(prepared - tried)  # prepared earlier, not run yet (their replies are held)
+                ahead = ahead[:max(1, batch - waiting)]
                 prepared.update(id(s) for s in ahead)
                 prepare(ahead)
             try:
                 commit = work(sample, heldout)
             except SKIPPABLE as exc:
+                release_frames(exc)  # what the conversation held when it failed goes now
                 self.skips.add(sample.name, stage, exc)
+                commit = None
+            if commit is None:
+                # and what reference cycles hold (transformers' hooks leave some around a failed forward pass):
+                # now, not whenever Python's collector next gets to them
+                gc.collect()
                 result.skipped.append(sample)
                 return False
             commit()

@@ -123,7 +123,9 @@ class SourceWeights:
                     by_file.setdefault(part.file, []).append(part.key)
             read: dict[str, torch.Tensor] = {}
             for path, keys in by_file.items():
-                read.update(BlockReader(Path(path), device).read(keys))
+                # no gaps read along: a parameter is a view of its block, and would keep the bytes of tensors
+                # between (another group's experts) alive as long as it is loaded
+                read.update(BlockReader(Path(path), device).read(keys, max_gap=0))
             for name in group:
                 tensors = [read.pop(p.key) for p in self.parts[name]]
                 out[name] = _assemble(name, tensors, like[name])
@@ -134,7 +136,9 @@ def _assemble(name: str, parts: list[torch.Tensor], like: torch.Tensor) -> torch
     if len(parts) == 1 and not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
         tensor = parts[0]
     elif name.endswith(".gate_up_proj"):
-        tensor = torch.stack([torch.cat(parts[i:i + 2], dim=0) for i in range(0, len(parts), 2)])
+        # [gate_0, up_0, gate_1, ...] stacked is [gate_0; up_0], [gate_1; up_1], ... viewed per expert: one copy
+        # beside the parts (concatenating each pair first made a third)
+        tensor = torch.stack(parts).view(len(parts) // 2, -1, *parts[0].shape[1:])
     else:
         tensor = torch.stack(parts)
     if tuple(tensor.shape) != tuple(like.shape):

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The exact script run on the lent GPU for BENCHMARKS.md's quantize figures (issue 18): `orin-omni quantize` at the
+# real model's widths on a random BF16 checkpoint with fewer thinker layers than the real 48, twice (N and 2N
+# layers), so the time of one thinker layer and the fixed part (talker, vision encoder, calibration, metrics) can
+# be told apart and the real model's time extrapolated. Each run's report.json (`run`: wall time per stage, the GPU
+# and host peaks) and the command's --json go to $OUT.
+#
+# The GPU image has torch 2.11 and transformers 5.17: carry .whl/ with transformers 5.23, regex and PyAV (the
+# built-in calibration set has a video), as for scripts/bench_gpu.sh. GPTQModel has no wheel for the image's
+# Python (its pypcre dependency), so the run uses orin-omni's own solver.
+# QBENCH_LAYERS: N (default 2); QBENCH_ARGS: extra quantize options (e.g. --max-gpu-memory 22GiB).
+# A conversation skipped for running out of memory fails the benchmark: the memory plan was wrong, and a run that
+# skips conversations is not the run being measured (run 1 skipped every speech conversation, then died).
+set -uo pipefail
+OUT=${OUT:-build/qbench-out}
+WORK=${QBENCH_WORKDIR:-/tmp/orin-qbench}
+N=${QBENCH_LAYERS:-2}
+mkdir -p "$OUT" "$WORK"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+rc=0
+for layers in "$N" "$((2 * N))"; do
+  src="$WORK/bf16-$layers" dst="$WORK/int4-$layers"
+  python3 -m orin.cli synthetic-bf16 "$src" --config tests/data/qwen3-omni-30b-a3b-instruct.config.json \
+    --thinker-layers "$layers" --device cuda --force 2>&1 | tail -3 | tee -a "$OUT/quantize.log"
+  start=$(date +%s)
+  python3 -m orin.cli quantize "$src" --out "$dst" --solver own --json ${QBENCH_ARGS:-} \
+    > "$OUT/quantize-$layers.json" 2>> "$OUT/quantize.log" || rc=$?
+  if [ "$rc" = 0 ] && grep -q "^warning: skipping calibration conversation .*OutOfMemoryError" "$OUT/quantize.log"; then
+    echo "thinker layers $layers: conversations were skipped for running out of GPU memory" | tee -a "$OUT/quantize.log"
+    rc=3
+  fi
+  echo "thinker layers $layers: quantize rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/quantize.log"
+  cp "$dst/report.json" "$OUT/report-$layers.json" 2>/dev/null
+  rm -rf "$src" "$dst"
+  [ "$rc" = 0 ] || break
+done
+tail -20 "$OUT/quantize.log"
+exit "$rc"
