@@ -45,6 +45,11 @@ PREFILL_CAPTURE_WARMUPS = 1
 _ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
 
 
+def _specs(inputs: dict) -> dict:
+    """A graph prefill's inputs as (shape, dtype): what capture_deferred() rebuilds them from."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()}
+
+
 def prefill_bucket(tokens: int) -> int:
     """The rows a graph prefill of `tokens` is padded to: multiples of 64 up to 512, then eight buckets per
     doubling (at most a quarter more rows than the prompt; padding rows skip the MoE, most of the work). Twenty
@@ -141,7 +146,7 @@ class StaticDecoder:
         for key, (runner, static) in self._prefill_graphs.items():
             runner.release()
             if self.defer and key not in self._wanted:  # captured again while idle, after what is wanted now
-                again[key] = {k: (tuple(v.shape), v.dtype) for k, v in static.items()}
+                again[key] = _specs(static)
         self._prefill_graphs.clear()
         if again:
             again.update(self._wanted)
@@ -336,7 +341,7 @@ class StaticDecoder:
         """Note the bucket just prefilled eagerly, and those of the longer prompts likely next (_lookahead), for
         capture_deferred()."""
         Tb, record, _ = key
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()}
+        shapes = _specs(inputs)
         # growing prompts: around the next one's predicted length (this one plus the last growth)
         lo, hi = T + self._growth // 2, T + self._lookahead()
         ahead = {prefill_bucket(n) for n in (*range(lo, hi, 64), hi)} - {Tb}
