@@ -27,6 +27,15 @@ GiB = 1 << 30
 ME = pwd.getpwuid(os.getuid()).pw_name
 
 
+@pytest.fixture(autouse=True)
+def _any_free_disk_will_do(monkeypatch):
+    """The disk check reads the real filesystem of tmp_path, whose free space is the test machine's: the checks
+    below judge the rest; test_a_full_disk_fails_the_disk_check judges this one."""
+    from orin.checks import doctor_checks
+
+    monkeypatch.setattr(doctor_checks, "DISK_MIN_FREE", 0)
+
+
 def write_meminfo(proc: Path, total: int, available: int) -> Path:
     proc.mkdir(parents=True, exist_ok=True)
     (proc / "meminfo").write_text(f"MemTotal:       {total // 1024} kB\nMemFree:        {available // 2048} kB\n"
@@ -176,6 +185,16 @@ def test_an_unusable_model_dir_skips_the_checks_that_need_it(tmp_path):
     # Nothing installed and no --model-dir: the model checks are skipped with the reason.
     result = run_doctor(DoctorConfig(device="cpu", **roots))
     assert result.check("model dir").status == SKIP and "no --model-dir" in result.check("model dir").detail
+
+
+def test_a_full_disk_fails_the_disk_check(quantized_dir, tmp_path, monkeypatch):
+    from orin.checks import doctor_checks
+
+    monkeypatch.setattr(doctor_checks, "DISK_MIN_FREE", shutil.disk_usage(quantized_dir).total)
+    result = run_doctor(DoctorConfig(device="cpu", model_dir=quantized_dir, **board(tmp_path)))
+    disk = result.check("disk")
+    assert disk.status == FAIL and "free of" in disk.detail and "journalctl" in disk.fix, render_table(result)
+    assert not result.ok
 
 
 def test_a_jetson_without_power_backends_fails_and_reads_nvpmodel(quantized_dir, tmp_path):

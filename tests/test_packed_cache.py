@@ -205,6 +205,23 @@ def test_an_unwritable_directory_costs_only_the_speed_up(quantized_dir, tmp_path
         eng.close()
 
 
+def test_a_disk_short_of_the_margin_gets_no_copies(quantized_dir, tmp_path, reference, monkeypatch, caplog):
+    """A copy never takes the last DISK_MARGIN bytes of the disk the system runs from: the model is served,
+    converted on every load, and the warning says how much is free and needed."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setattr(P, "DISK_MARGIN", shutil.disk_usage(cache).total)
+    eng = _engine(quantized_dir, cache)
+    try:
+        with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+            outcome = _run(eng)[1]
+    finally:
+        eng.close()
+    assert caplog.text.count("MiB needed") == 1
+    assert outcome == reference[1]
+    assert list(cache.iterdir()) == []
+
+
 def test_a_failed_write_leaves_nothing_behind(quantized_dir, tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
     calls = []
