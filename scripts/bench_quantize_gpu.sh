@@ -8,7 +8,10 @@
 # The GPU image has torch 2.11 and transformers 5.17: carry .whl/ with transformers 5.23, regex and PyAV (the
 # built-in calibration set has a video), as for scripts/bench_gpu.sh. GPTQModel has no wheel for the image's
 # Python (its pypcre dependency), so the run uses orin-omni's own solver.
-# QBENCH_LAYERS: N (default 2); QBENCH_ARGS: extra quantize options (e.g. --max-gpu-memory 22GiB).
+# QBENCH_LAYERS: N (default 2); QBENCH_SIZES: the thinker layer counts to run (default "N 2N"; one device call
+# may not hold both); QBENCH_ARGS: extra quantize options (e.g. --max-gpu-memory 22GiB). QBENCH_IN_MEMORY=1 also
+# times the in-memory path (the whole BF16 model loaded, as quantize ran before it streamed) on the same
+# checkpoint, with QBENCH_IN_MEMORY_ARGS (its --samples and --speech-samples: give the streamed run's).
 # A conversation skipped for running out of memory fails the benchmark: the memory plan was wrong, and a run that
 # skips conversations is not the run being measured (run 1 skipped every speech conversation, then died).
 set -uo pipefail
@@ -20,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 rc=0
-for layers in "$N" "$((2 * N))"; do
+for layers in ${QBENCH_SIZES:-$N $((2 * N))}; do
   src="$WORK/bf16-$layers" dst="$WORK/int4-$layers"
   python3 -m orin.cli synthetic-bf16 "$src" --config tests/data/qwen3-omni-30b-a3b-instruct.config.json \
     --thinker-layers "$layers" --device cuda --force 2>&1 | tail -3 | tee -a "$OUT/quantize.log"
@@ -33,6 +36,12 @@ for layers in "$N" "$((2 * N))"; do
   fi
   echo "thinker layers $layers: quantize rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/quantize.log"
   cp "$dst/report.json" "$OUT/report-$layers.json" 2>/dev/null
+  if [ "$rc" = 0 ] && [ "${QBENCH_IN_MEMORY:-0}" = 1 ]; then
+    start=$(date +%s)
+    python3 scripts/quantize_in_memory_bench.py "$src" ${QBENCH_IN_MEMORY_ARGS:-} > "$OUT/in-memory-$layers.json" \
+      2>> "$OUT/quantize.log" || rc=$?
+    echo "thinker layers $layers: in-memory path rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/quantize.log"
+  fi
   rm -rf "$src" "$dst"
   [ "$rc" = 0 ] || break
 done

@@ -33,7 +33,7 @@ from quantize.capture import (
     speech_commit,
     talker_codes,
 )
-from quantize.gptq import GPTQSolver
+from quantize.gptq import GPTQSolver, resolve_solver
 from quantize.progress import Progress
 from quantize.report import codec_metrics, encoder_metric, logits_metrics
 from quantize.sequential import StackOptions, StackQuantizer
@@ -157,7 +157,7 @@ def quantize_in_memory(model_dir: str, cfg) -> dict:
     speech, talker_refs, _ = _speech_pass(model, samples, stacks & set(A.SPEECH_PASS), settings, "talker" in comps,
                                           runner, new_data)
     data.update(speech)
-    solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, device, cfg.sym)
+    solver = GPTQSolver(cfg.bits, cfg.group_size, cfg.damp, device, cfg.sym, resolve_solver(cfg.solver))
     opts = StackOptions(cfg.bits, cfg.group_size, cfg.min_expert_tokens, cfg.starved_experts, cfg.sym)
     out = {}
     for name, seg_comps in split.items():
