@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .audio_format import audio_token_count, conv_length
+from .audio_format import audio_token_count, conv_batch, conv_length
 from .errors import InputError, ModelError
 from .module_config import activation, declared_values
 
@@ -291,10 +291,14 @@ class AudioEncoder(nn.Module):
         x = frames.index_select(0, plan.frame_index).view(plan.num_chunks, plan.chunk_frames, mel)
         x = x.transpose(1, 2).unsqueeze(1)
         convolved = []
-        for part in x.split(self.config.conv_chunksize, dim=0):  # bounds the convolutions' activation memory
+        size = self.config.conv_chunksize
+        for part in x.split(size, dim=0):  # bounds the convolutions' activation memory
+            n = part.shape[0]
+            if conv_batch(n, size) > n:  # a recurring shape (see conv_batch); each chunk is convolved on its own
+                part = torch.cat([part, part.new_zeros((conv_batch(n, size) - n, *part.shape[1:]))])
             part = F.gelu(self.conv2d1(part))
             part = F.gelu(self.conv2d2(part))
-            convolved.append(F.gelu(self.conv2d3(part)))
+            convolved.append(F.gelu(self.conv2d3(part))[:n])
         x = torch.cat(convolved) if len(convolved) > 1 else convolved[0]
         chunks, channels, bins, steps = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(chunks, steps, channels * bins))

@@ -15,6 +15,14 @@ def conv_length(n):
     return n
 
 
+def conv_batch(chunks: int, chunksize: int) -> int:
+    """The batch the audio encoder's convolutions run at for a part of `chunks` chunks (at most `chunksize`,
+    the config's conv_chunksize): the next power of two, capped at `chunksize`, the rest zero chunks whose output
+    is dropped. cuDNN plans a convolution per input shape on its first sight; unpadded, every Realtime turn's audio
+    (a length of its own) would be a new shape, where padded a handful of shapes recur."""
+    return min(chunksize, 1 << max(0, chunks - 1).bit_length())
+
+
 def audio_token_count(frames: int, n_window: int = 50) -> int:
     """Audio tokens the encoder makes of `frames` Whisper feature frames, cut into chunks of 2 * n_window: whole
     chunks plus the tail's. The one formula for the processor's placeholders, the M-RoPE positions and the

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import components as C
+from .audio_format import conv_batch
 from .errors import BudgetError
 from .layout import (
     QuantSpec,
@@ -320,7 +321,7 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     if tokens["audio"]:
         frames = tokens["audio"]  # tokens is enough to size the transformer part
         chunks = max(1, math.ceil(tokens["audio"] / 13))
-        conv = min(chunks, a["conv_chunksize"]) * a["conv_channels"] * (a["mel_bins"] // 2) * 50 * b * 2
+        conv = conv_batch(min(chunks, a["conv_chunksize"]), a["conv_chunksize"]) * a["conv_channels"] * (a["mel_bins"] // 2) * 50 * b * 2
         body = frames * a["d_model"] * (6 + a["ffn"] // a["d_model"]) * b
         out["audio_encoder"] = conv + body
     if tokens["vision_patches"]:

@@ -122,6 +122,27 @@ def test_several_audios_match_transformers(tiny_pair, weights):
             torch.testing.assert_close(ours(concatenated, lengths), expected, atol=ATOL, rtol=0)
 
 
+def test_convolutions_run_at_recurring_batch_sizes(tiny_pair, config_data):
+    """The chunks go through the convolutions padded to a power of two, capped at conv_chunksize, so cuDNN
+    plans a handful of shapes once instead of one per audio length (a Realtime turn's); no token changes."""
+    ours = tiny_pair["random"][0]
+    small = AudioEncoder({**config_data, "conv_chunksize": 5}).eval()
+    small.load_state_dict(ours.state_dict(), strict=True)
+    seen: dict[str, list[int]] = {"ours": [], "small": []}
+    hooks = [m.conv2d1.register_forward_pre_hook(lambda _m, args, k=k: seen[k].append(args[0].shape[0]))
+             for k, m in (("ours", ours), ("small", small))]
+    try:
+        with torch.no_grad():
+            for n in (250, 550, 2345):  # 3, 6 and 24 chunks
+                features, _ = padded_batch([n], seed=n)
+                torch.testing.assert_close(small(features, [n]), ours(features, [n]), atol=ATOL, rtol=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen["ours"] == [4, 8, 32]
+    assert seen["small"] == [4, 5, 1, 5, 5, 5, 5, 4]  # parts of 5 chunks, the last padded to its own power of two
+
+
 def test_padding_layout_is_transformers(tiny_pair):
     """A short audio's tokens depend on the width its chunk is padded to (a padded frame becomes gelu(bias)
     after a convolution): alone it is padded to its own length, beside a long audio to a whole chunk."""

@@ -311,3 +311,20 @@ def test_engine_runs_with_transformers_unimportable(quantized_dir):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["3", "4", "True"], out.stdout
+
+
+def test_the_engine_attends_without_cudnn_and_gives_the_choice_back(engine):
+    """While the engine serves a request SDPA may not pick cuDNN's attention, which plans every new shape on
+    first sight (orin.attention_kernels); torch's own choice is back afterwards."""
+    import torch
+
+    seen: list[bool] = []
+    layer = engine.model.thinker.model.audio_tower.layers[0]
+    hook = layer.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        _collect(engine, GenerationRequest(messages=_mm_messages(1.0), max_new_tokens=2, speech=False))
+    finally:
+        hook.remove()
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
