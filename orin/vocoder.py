@@ -54,10 +54,22 @@ class Vocoder:
     def _decode(self, c2w, codes):
         """code2wav of one chunk: the schedule's two recurring shapes (the first chunk; a whole chunk with its
         left context) replayed from CUDA graphs where the weights stay put. Eager, a chunk is ~1,000 small
-        kernels launched from Python, and a server's other threads (a Realtime session's microphone stream)
-        slowed the first chunk from 21 to 137 ms on an H200; the last chunk's length varies and stays eager."""
+        kernels launched from Python, and the first chunk took 137 ms instead of 21 on an H200 in a server.
+
+        The last chunk (and a reply shorter than the first chunk) is padded on the right with code 0 to the
+        recurring shape it fits and its samples cut back: code2wav is causal (a sample never depends on a later
+        frame) and n frames give n*total_upsample samples less a constant, so the samples are those of the
+        chunk alone (to rounding), and it replays a graph instead of running eagerly at a length never seen
+        before. Padded without graphs too (time-sliced, CPU): every budget gives the same samples, bit for bit."""
+        import torch.nn.functional as F
+
         frames = codes.shape[-1]
-        if self.graphs is None or frames not in (C.CODE2WAV_FIRST_CHUNK, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT):
-            return c2w(codes)
-        c2w.prepare(frames, codes.device)  # its host-side tables, outside the capture
-        return self.graphs.run(("code2wav", tuple(codes.shape)), c2w, (codes,), c2w, recurring=True)
+        size = C.CODE2WAV_FIRST_CHUNK if frames <= C.CODE2WAV_FIRST_CHUNK else C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT
+        if frames < size:
+            codes = F.pad(codes, (0, size - frames))
+        if self.graphs is None:
+            wav = c2w(codes)
+        else:
+            c2w.prepare(size, codes.device)  # its host-side tables, outside the capture
+            wav = self.graphs.run(("code2wav", tuple(codes.shape)), c2w, (codes,), c2w, recurring=True)
+        return wav[..., :wav.shape[-1] - (size - frames) * int(c2w.total_upsample)]

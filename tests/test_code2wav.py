@@ -3,6 +3,7 @@ waveform to 1e-5 in float32 on CPU, whole and in the vocoder's chunks, and the r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state
@@ -143,3 +144,40 @@ def test_real_config_tree_on_meta(real_config):
     assert expected["decoder.6.conv.weight"][0] == (1, 1536 // 16, 7)
     assert_same_tree((ours, skeleton), hf)
     assert ours.total_upsample == int(hf.total_upsample)
+
+
+@pytest.mark.parametrize("frames", [1, C.CODE2WAV_FIRST_CHUNK - 1, C.CODE2WAV_FIRST_CHUNK + C.CODE2WAV_CHUNK + 10,
+                                    C.CODE2WAV_FIRST_CHUNK + 2 * C.CODE2WAV_CHUNK + 5])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, graphs):
+    """The vocoder's last chunk, and a reply shorter than the first chunk, go through code2wav padded to one of
+    the two recurring shapes (each a CUDA graph where graphs are kept, and padded alike where not, so every
+    budget gives the same samples): the samples are those of the unpadded chunks, and code2wav never sees
+    another length."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from orin.contract import GenerationRequest
+    from orin.encoder_graphs import EncoderGraphs
+    from orin.request_state import RequestState
+    from orin.vocoder import Vocoder
+
+    ours = tiny_pair["random"][0]
+    codes = random_codes(frames, seed=frames)
+    seen: list[int] = []
+    hook = ours.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-1]))
+    state = RequestState(GenerationRequest(messages=({"role": "user", "content": "hi"},)), None)
+    vocoder = Vocoder(SimpleNamespace(code2wav=ours), torch.device("cpu"), state, lambda: None,
+                      EncoderGraphs(torch.device("cpu")) if graphs else None, lambda _stage: nullcontext())
+    try:
+        with torch.no_grad():
+            chunks = list(vocoder.feed(list(codes[0].unbind(-1)), final=True))
+            seen_by_vocoder, seen[:] = list(seen), []
+            expected = vocoder_schedule(ours, codes)
+    finally:
+        hook.remove()
+    got = torch.from_numpy(np.concatenate([c.samples for c in chunks]))
+    assert got.shape[0] == expected.shape[-1]
+    torch.testing.assert_close(got, expected.reshape(-1).float(), atol=ATOL, rtol=0)
+    assert set(seen_by_vocoder) <= {C.CODE2WAV_FIRST_CHUNK, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
+    assert sum(len(c.frames) for c in chunks) == frames
