@@ -105,3 +105,39 @@ def test_formatting_helpers():
 def test_rss_reads_proc(tmp_path):
     assert (process_rss_bytes() or 0) > 0
     assert process_rss_bytes(str(tmp_path)) is None
+
+
+def test_a_response_is_counted_once_its_last_byte_is_sent():
+    """The access log counts a request when its last body message goes out, not when the app returns (a
+    streamed answer's app may still be winding down its engine run): a client holding its whole answer finds
+    it in /metrics. A request whose app returns without a body is counted at its end."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from orin.serve.routes import AccessLog
+
+    metrics = Metrics()
+    seen_after_last_byte: list[dict] = []
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"audio", "more_body": False})
+        await release.wait()
+
+    async def send(message):
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            seen_after_last_byte.append(dict(metrics.requests))
+
+    async def main():
+        log = AccessLog(app, SimpleNamespace(metrics=metrics))
+        scope = {"type": "http", "method": "POST", "path": "/v1/audio/speech", "client": ("127.0.0.1", 1)}
+        task = asyncio.ensure_future(log(scope, None, send))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        release.set()
+        await task
+
+    asyncio.run(main())
+    assert seen_after_last_byte == [{("/v1/audio/speech", 200): 1}]
+    assert metrics.requests == {("/v1/audio/speech", 200): 1}  # once, not again when the app returns

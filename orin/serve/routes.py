@@ -249,11 +249,23 @@ class AccessLog:
         if len(path) > 1 and path.endswith("/"):
             scope["path"] = path.rstrip("/") or "/"
         sent = [0]
+        endpoint = "/v1/models" if path.startswith("/v1/models") else path.rstrip("/")
+        endpoint = endpoint if endpoint in ENDPOINTS else "other"
+        counted = [False]
+
+        def count(status: int) -> None:
+            if not counted[0]:
+                counted[0] = True
+                self.server.metrics.request(endpoint, status)
 
         async def send_and_note(message) -> None:
             if message["type"] == "http.response.start":
                 sent[0] = message["status"]
                 message = {**message, "headers": _headers(message.get("headers") or ())}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # Counted before the last byte goes out: a client holding its whole answer finds it in /metrics
+                # (the app may still be winding down its engine run when the client has everything).
+                count(scope.get(STATUS_KEY) or sent[0])
             await send(message)
 
         try:
@@ -269,9 +281,7 @@ class AccessLog:
                 await error_response(to_api_error(exc))(scope, receive, send_and_note)
         finally:
             status = scope.get(STATUS_KEY) or sent[0] or CLIENT_CLOSED
-            endpoint = "/v1/models" if path.startswith("/v1/models") else path.rstrip("/")
-            endpoint = endpoint if endpoint in ENDPOINTS else "other"
-            self.server.metrics.request(endpoint, status)
+            count(status)
             # Probes come every few seconds for the life of the service; the state changes they watch for are
             # logged where they happen (loading, ready, unhealthy), so a line per probe is only noise.
             level = logging.DEBUG if endpoint in PROBE_ENDPOINTS else logging.INFO
