@@ -28,6 +28,9 @@ class GenerationRequest:
     talker_temperature: float = 0.0  # 0 = greedy; the HF reference samples at 0.9 with top_k 50
     stream_speech: bool = True  # False: speak after the whole text, as the HF reference does
     ignore_eos: bool = False  # fixed lengths, for benchmarks
+    # A conversation's next turn (the Realtime API's): its prompt starts with the last request's, whose keys and
+    # values the caches may still hold; where the weights stay put, that prefix is read, not computed again.
+    continues: bool = False
 
     @property
     def frame_cap(self) -> int:

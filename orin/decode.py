@@ -43,6 +43,12 @@ PREFILL_LOOKAHEAD_MAX = 2048
 PREFILL_CAPTURE_WARMUPS = 1
 # The rows of each graph-prefill input that grow with the bucket (the rest: `last`, one index).
 _ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
+# A conversation's next turn (GenerationRequest.continues) reads its prompt's prefix from the cache where the last
+# prompt left it: at least this many rows, or it is prefilled whole.
+REUSE_MIN_ROWS = 64
+# The longest prompt whose rows are held for the next turn: its embeddings and recorded hidden states stay alive
+# between requests (three [T, H] tensors: 100 MB for the thinker at this length, inside the plan's runtime margin).
+HELD_MAX_ROWS = 8192
 
 
 def _specs(inputs: dict) -> dict:
@@ -67,6 +73,18 @@ def _int4_experts_only(text_model) -> bool:
     from .int4 import Int4Experts
 
     return all(isinstance(layer.mlp.experts, Int4Experts) for layer in text_model.layers if hasattr(layer.mlp, "experts"))
+
+
+@dataclass
+class _Held:
+    """What the caches' first rows hold, for a conversation's next turn to read instead of computing: the prompt
+    that wrote them (its embeddings [n, H], M-RoPE positions [3, 1, n] and deepstack rows and levels) and the
+    hidden states its prefill recorded {HF index: [n, H]}."""
+
+    embeds: torch.Tensor
+    position_ids: torch.Tensor
+    visual: tuple | None
+    states: dict
 
 
 @dataclass
@@ -107,7 +125,8 @@ class StaticDecoder:
         self._growth = 0
         self._stepped_by: str | None = None  # "tokens" (step) or "embeds" (step_embeds): how a dummy step goes
         self._prefill_captures = 0
-        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager or long
+        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager, long, reused
+        self._held: _Held | None = None  # the last prompt, where a next turn may read its rows from the cache
 
     @property
     def captures(self) -> int:
@@ -157,6 +176,7 @@ class StaticDecoder:
     def release(self) -> None:
         """Drop the cache buffers and the graphs (their memory goes back to the allocator)."""
         self.k_cache, self.v_cache, self.max_len = [], [], 0
+        self._held = None
         self.runner.release()
         self._release_prefill_graphs()
 
@@ -171,7 +191,7 @@ class StaticDecoder:
 
     def prefill(self, embeds: torch.Tensor, position_ids: torch.Tensor, max_len: int, record: tuple[int, ...] = (),
                 visual: tuple | None = None, rope_delta: int = 0, bucket: int | None = None,
-                graph: bool = True) -> Prefilled:
+                graph: bool = True, continues: bool = False) -> Prefilled:
         """The prompt through decoder_layer from position 0, its keys and values written into the static caches
         (no DynamicCache, no copy). embeds [T, H] (multimodal features already merged); position_ids [3, 1, T]
         and rope_delta (M-RoPE, orin.positions: generated position n is at T + n + rope_delta); record: the
@@ -183,11 +203,24 @@ class StaticDecoder:
         `bucket`) and the whole prefill replayed from a CUDA graph captured once per bucket: the eager prefill is
         ~5,000 kernel launches, and the host, not the GPU, sets its time. Padding rows come after the prompt, so
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
-        masks them until it overwrites them."""
+        masks them until it overwrites them.
+
+        `continues` (a conversation's next turn, where the weights stay put): the rows the prompt shares with the
+        last one, whose keys and values are still in the cache, are not computed again; the rest is prefilled
+        after them (eagerly, causal over the whole cache), and this prompt's rows are held for the turn after."""
         T = int(embeds.shape[0])
         # Whole granules where the weights stay put (the graphs that read the cache live on); time-sliced, the
         # cache is sized to the request, as every byte counts against the budget (the plan counts granules).
         kept = graph
+        record = tuple(sorted(set(record)))
+        if continues and kept:
+            shared = self._shared_rows(embeds, position_ids, visual, record, max(max_len, T + 1))
+            if shared:
+                return self._prefill_after(shared, embeds, position_ids, visual, record, rope_delta,
+                                           max(max_len, T + 1))
+        self._held = None  # this prefill overwrites the rows; held again below once they are this prompt's
+        held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])), {}) \
+            if continues and kept and T <= HELD_MAX_ROWS else None
         # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
         graph = graph and T <= C.LONG_PREFILL_TOKENS and self._graphs_for(embeds)
         Tb = -(-T // bucket) * bucket if bucket else prefill_bucket(T) if graph else T
@@ -212,7 +245,6 @@ class StaticDecoder:
         if Tb > T or graph:  # padding rows route to no expert: the MoE, most of a prefill's work, skips them
             inputs["valid"] = (torch.arange(Tb, device=self.device) < T).unsqueeze(1)
         inputs["last"] = torch.tensor([T - 1], device=self.device)
-        record = tuple(sorted(set(record)))
         key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
         if graph and self.defer and key not in self._prefill_graphs:
             self._want(T, key, inputs)
@@ -230,7 +262,61 @@ class StaticDecoder:
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
-        return Prefilled(logits, hidden, {i: s[:T].unsqueeze(0) for i, s in states.items()})
+        states = {i: s[:T] for i, s in states.items()}
+        if held is not None:
+            held.states = states
+        self._held = held
+        return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
+
+    def _shared_rows(self, embeds, position_ids, visual, record: tuple[int, ...], need: int) -> int:
+        """How many leading rows of this prompt the cache holds already (0: too few to be worth it, or none):
+        the last prompt's rows with the same embeddings, positions and deepstack features, at most all but
+        this prompt's last row (its logits are wanted), where the cache needs no reallocation."""
+        held = self._held
+        T = int(embeds.shape[0])
+        if held is None or need > self.max_len or not set(record) <= set(held.states):
+            return 0
+        n = min(int(held.embeds.shape[0]), T - 1)
+        if n < REUSE_MIN_ROWS:
+            return 0
+        same = (embeds[:n] == held.embeds[:n]).all(dim=1) & (position_ids[:, 0, :n] == held.position_ids[:, 0, :n]).all(dim=0)
+        shared = n if bool(same.all()) else int(torch.argmin(same.to(torch.int8)))
+        shared = min(shared, _same_visual_before(visual, held.visual, shared))
+        # the rows after are prefilled in one pass: a long rest goes the whole prompt's layer-major way
+        return shared if shared >= REUSE_MIN_ROWS and T - shared <= C.LONG_PREFILL_TOKENS else 0
+
+    def _prefill_after(self, shared: int, embeds, position_ids, visual, record: tuple[int, ...],
+                       rope_delta: int, need: int) -> Prefilled:
+        """The prompt's rows after the `shared` ones the cache holds: written after them, attending causally over
+        the whole cache; the recorded hidden states are the held ones' first rows and this prefill's."""
+        m, held = self.model, self._held
+        self._held = None  # rows past `shared` are overwritten from here on; held again once all are this prompt's
+        T = int(embeds.shape[0])
+        self._growth, self._last_rows = (T - self._last_rows if 0 < self._last_rows < T else 0), T
+        self._need = need
+        x = embeds[shared:]
+        cos, sin = m.rotary_emb(x.unsqueeze(0), position_ids[..., shared:])
+        pos = self.positions[shared:T]
+        rows, levels = None, []
+        if visual is not None and visual[1]:
+            after = visual[0] >= shared
+            rows, levels = visual[0][after] - shared, [feat[after] for feat in visual[1]]
+        states = {0: x} if 0 in record else {}
+        for i, (spec, w) in enumerate(self._prefill_layers({})):
+            x = decoder_layer(x, cos[0], sin[0], None, pos, self.k_cache[i], self.v_cache[i], w, spec, prefix=shared)
+            if i + 1 in record:
+                states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x
+            if rows is not None and i < len(levels) and rows.numel():
+                x = x.index_add(0, rows, levels[i].to(x.dtype))
+        hidden = m.norm(x[-1:])
+        states = {i: torch.cat([held.states[i][:shared], s]) for i, s in states.items()}
+        self.delta.fill_(rope_delta)
+        self.length = T
+        self.runner.check = True
+        self.last_prefill = "reused"
+        self._held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])),
+                           states) if T <= HELD_MAX_ROWS else None
+        return Prefilled(self.head(hidden), hidden.unsqueeze(0), {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
         """Whether this prefill may go through a CUDA graph: graphs enabled (CUDA, INT4 experts throughout) and
@@ -392,6 +478,10 @@ class StaticDecoder:
             return made
         size = self._grow_to()
         if size is not None and not stop():
+            held = self._held
+            # a held conversation's rows move into the grown cache (after the step's capture has written its row)
+            rows = [] if held is None else [(k[:, :, :held.embeds.shape[0]].clone(), v[:, :, :held.embeds.shape[0]].clone())
+                                             for k, v in zip(self.k_cache, self.v_cache, strict=True)]
             self._alloc(size)
             self.length = 0
             self.delta.fill_(0)
@@ -400,8 +490,14 @@ class StaticDecoder:
             else:
                 self.step_embeds(torch.zeros_like(self.embeds))
             self.length = 0
+            for i, (k_rows, v_rows) in enumerate(rows):
+                self.k_cache[i][:, :, :k_rows.shape[2]] = k_rows
+                self.v_cache[i][:, :, :v_rows.shape[2]] = v_rows
+            self._held = held
             made += 1
-        while self._wanted and not stop():
+        # a prefill bucket's capture writes the cache from row 0: not while a conversation's rows are held (its
+        # next turn prefills after them, eagerly)
+        while self._wanted and self._held is None and not stop():
             key, spec = self._wanted.popitem()
             if key in self._prefill_graphs or key[0] > self.max_len:
                 continue
@@ -444,6 +540,26 @@ class StaticDecoder:
         logits, hidden = self.runner.run(lambda fn: self._forward(fn, False), self._weights)
         self.length += 1
         return logits, hidden
+
+
+def _same_visual_before(visual, held_visual, rows: int) -> int:
+    """`rows`, or fewer: the first deepstack row before `rows` where this prompt's and the held prompt's visual
+    rows or features differ (a deepstack level is added to an image's rows after the first layers)."""
+    mine, theirs = _visual_before(visual, rows), _visual_before(held_visual, rows)
+    if mine[0].numel() == theirs[0].numel() == 0:
+        return rows
+    if mine[0].shape == theirs[0].shape and torch.equal(mine[0], theirs[0]) and len(mine[1]) == len(theirs[1]) \
+            and all(torch.equal(a, b) for a, b in zip(mine[1], theirs[1], strict=True)):
+        return rows
+    return min(int(r.min()) for r, _ in (mine, theirs) if r.numel())
+
+
+def _visual_before(visual, rows: int) -> tuple[torch.Tensor, list]:
+    """(the deepstack rows before `rows`, each level's features at them) of a prefill's `visual`."""
+    if visual is None or not visual[1]:
+        return torch.empty(0, dtype=torch.long), []
+    keep = visual[0] < rows
+    return visual[0][keep], [feat[keep] for feat in visual[1]]
 
 
 # ---------------------------------------------------------------------- code predictor

@@ -316,7 +316,7 @@ class Engine:
             del audio_feats, image_feats, video_feats
             state.mark("merged")
             decoder, hidden_states, logits = self.thinker.prefill(merged, prompt.length + req.max_new_tokens,
-                                                                  plan.keeps_weights)
+                                                                  plan.keeps_weights, req.continues)
             self.loader.set_cache_bytes(decoder.cache_bytes())
         state.mark("prefilled")
         state.mark(f"prefill_{decoder.last_prefill}")  # graph, deferred, eager or long: how it ran

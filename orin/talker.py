@@ -111,7 +111,8 @@ class Talker:
                                            video_second_per_grid=self.prompt.video_seconds or None,
                                            audio_lengths=self.prompt.audio_lengths or None)
         res = self.decoder.prefill(embeds[0], positions.to(self.device), int(embeds.shape[1]) + req.frame_cap + 2,
-                                   rope_delta=int(delta.reshape(-1)[0]), graph=keeps_weights)
+                                   rope_delta=int(delta.reshape(-1)[0]), graph=keeps_weights,
+                                   continues=req.continues)
         self._after_forward(res.logits, res.hidden)
 
     def _after_forward(self, logits, hidden) -> None:

@@ -168,16 +168,17 @@ class Thinker:
                                            audio_lengths=prompt.audio_lengths or None)
         return embeds, positions.to(self.device), int(delta.reshape(-1)[0]), visual
 
-    def prefill(self, merged, max_len: int, keeps_weights: bool):
+    def prefill(self, merged, max_len: int, keeps_weights: bool, continues: bool = False):
         """The merged prompt through the thinker: (its decoder, holding the prompt's KV cache; the hidden states
         {HF index: [1, T, H]} the talker reads; the last position's logits). The two talker layers are always
-        recorded (two [T, H] copies), so text-only and speech requests share a prefill graph."""
+        recorded (two [T, H] copies), so text-only and speech requests share a prefill graph. `continues`: a
+        conversation's next turn (StaticDecoder.prefill)."""
         embeds, position_ids, delta, visual = merged
         talker = self.config.talker_config
         record = (0, talker.accept_hidden_layer) if talker is not None else ()
         dec = self.decoders.thinker
         out = dec.prefill(embeds[0], position_ids, max_len, record=record, visual=visual, rope_delta=delta,
-                          graph=keeps_weights)
+                          graph=keeps_weights, continues=continues)
         return dec, out.states, out.logits
 
     @staticmethod

@@ -575,8 +575,10 @@ class _Session:
         extra = {}
         if srv.cfg.max_speech_seconds is not None:
             extra["max_audio_frames"] = max(1, math.ceil(srv.cfg.max_speech_seconds * CODEC_FRAMES_PER_SECOND))
+        # a session's responses continue one conversation: each prompt starts with the one before (unless items
+        # were deleted or dropped), whose rows the engine reads from its cache instead of computing them again
         req = GenerationRequest(messages=messages, max_new_tokens=max_new, speech=params.speech, voice=params.voice,
-                                **extra)
+                                continues=True, **extra)
         item = assistant_item(params.speech)
         joins = params.conversation == "auto"
         run = ResponseRun(params, item, self.conversation_id if joins else None)

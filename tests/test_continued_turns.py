@@ -1,0 +1,148 @@
+"""A conversation's next turn (GenerationRequest.continues, set by the Realtime API) reads the rows its prompt
+shares with the last one from the KV cache instead of computing them again (orin.decode.StaticDecoder.prefill):
+the same logits and recorded hidden states as a whole prefill, only where the rows are truly the same and still
+in the cache. CPU, through the graph path's bookkeeping as in tests/test_deferred_captures.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orin.decode import REUSE_MIN_ROWS
+
+
+@pytest.fixture()
+def decoder(engine, monkeypatch):
+    """The shared tiny engine's thinker decoder with its deferral on (a server's), released afterwards."""
+    engine.loader.ensure("thinker_text")
+    dec = engine.decoders.thinker
+    monkeypatch.setattr(dec, "_graphs_for", lambda rows: True)
+    monkeypatch.setattr(dec, "defer", True)
+    dec.release()
+    dec._wanted.clear()
+    dec._last_rows = dec._growth = 0
+    yield dec
+    dec.release()
+    dec._wanted.clear()
+    dec._stepped_by = None
+
+
+def _turns(engine, first: int, more: int, seed: int = 0):
+    """Two prompts' (embeddings [n, H], M-RoPE positions [3, 1, n]): the second is the first plus `more` rows."""
+    lm = engine.model.thinker.model.language_model
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (1, first + more), generator=gen)
+    embeds = lm.embed_tokens(ids)[0]
+    positions = torch.arange(first + more).view(1, 1, -1).expand(3, 1, -1)
+    return (embeds[:first], positions[..., :first]), (embeds, positions)
+
+
+def _prefill(dec, prompt, continues: bool, steps: int = 0):
+    embeds, positions = prompt
+    out = dec.prefill(embeds, positions, int(embeds.shape[0]) + 16, record=(0, 2), continues=continues)
+    for token in range(steps):  # the answer's tokens, written after the prompt's rows
+        dec.step(token)
+    return out
+
+
+def _assert_same(got, want):
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert set(got.states) == set(want.states) == {0, 2}
+    for i in want.states:
+        torch.testing.assert_close(got.states[i], want.states[i], atol=1e-4, rtol=1e-4)
+
+
+def test_a_next_turn_reads_the_shared_rows_and_equals_a_whole_prefill(engine, decoder):
+    one, two = _turns(engine, 150, 90)
+    want = _prefill(decoder, two, continues=False)
+    decoder.release()
+    _prefill(decoder, one, continues=True, steps=5)
+    got = _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
+    _assert_same(got, want)
+    # and the turn after reads this one's rows in turn
+    three = (torch.cat([two[0], one[0][:70]]), torch.arange(310).view(1, 1, -1).expand(3, 1, -1))
+    want3 = _prefill(decoder, three, continues=False)
+    decoder.release()
+    _prefill(decoder, one, continues=True)
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
+    got3 = _prefill(decoder, three, continues=True)
+    assert decoder.last_prefill == "reused"
+    _assert_same(got3, want3)
+
+
+def test_rows_are_read_only_where_they_are_the_same_and_still_in_the_cache(engine, decoder):
+    one, two = _turns(engine, 150, 90)
+    # not asked for: a request that does not continue one prefills whole, and holds nothing for the next
+    _prefill(decoder, one, continues=False)
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill != "reused"
+    # another conversation in between: its prefill overwrote the rows
+    _prefill(decoder, one, continues=True)
+    _prefill(decoder, _turns(engine, 150, 0, seed=1)[0], continues=False)
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill != "reused"
+    # a prompt that differs early (an item deleted): fewer shared rows than are worth reading
+    _prefill(decoder, one, continues=True)
+    other = two[0].clone()
+    other[REUSE_MIN_ROWS - 1] += 1
+    _prefill(decoder, (other, two[1]), continues=True)
+    assert decoder.last_prefill != "reused"
+    # a prompt that differs later reads what is the same, and equals a whole prefill
+    _prefill(decoder, one, continues=True)
+    other = two[0].clone()
+    other[100] += 1
+    got = _prefill(decoder, (other, two[1]), continues=True)
+    assert decoder.last_prefill == "reused"
+    want_dec_out = got
+    decoder.release()
+    _assert_same(want_dec_out, _prefill(decoder, (other, two[1]), continues=False))
+
+
+def test_idle_captures_keep_the_held_rows(engine, decoder):
+    """Between turns a server grows the cache ahead of the conversation and captures prefill buckets (each
+    writes the cache from row 0): the held rows move into the grown cache, and no bucket is captured over them."""
+    one, two = _turns(engine, 150, 90)
+    want = _prefill(decoder, two, continues=False)
+    decoder.release()
+    decoder._wanted.clear()
+    _prefill(decoder, one, continues=True, steps=3)
+    decoder._need = decoder.max_len  # as a conversation nearing its cache's end: the idle time grows the cache
+    before = decoder.max_len
+    wanted = dict(decoder._wanted)
+    decoder.capture_deferred(lambda: False)
+    assert decoder.max_len > before
+    assert dict(decoder._wanted) == wanted  # no bucket captured while rows are held
+    got = _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
+    _assert_same(got, want)
+
+
+def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
+    """Two Realtime-like turns through the engine: the second, continuing the first, gives the same text and
+    speech as the same request prefilled whole, and reads its shared rows (the timeline says so)."""
+    from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
+    from orin.media import synth_speechlike
+
+    first = [{"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(6.0, seed=3)},
+                                          {"type": "text", "text": "What did you hear?"}]}]
+
+    def run(messages, continues):
+        req = GenerationRequest(messages=tuple(messages), max_new_tokens=6, max_audio_frames=6,
+                                continues=continues)
+        events = list(engine.stream(req))
+        report = next(e.report for e in events if isinstance(e, Done))
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        frames = tuple(f for e in events if isinstance(e, AudioChunk) for f in e.frames)
+        return text, report, frames
+
+    text1, _, _ = run(first, continues=True)
+    second = [*first, {"role": "assistant", "content": text1},
+              {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(1.5, seed=4)}]}]
+    text_c, report_c, frames_c = run(second, continues=True)
+    assert "prefill_reused" in report_c.timeline_s
+    text_w, report_w, frames_w = run(second, continues=False)
+    assert "prefill_reused" not in report_w.timeline_s
+    assert report_c.token_ids == report_w.token_ids and text_c == text_w
+    assert frames_c == frames_w
