@@ -279,7 +279,8 @@ class StaticDecoder:
         n = min(int(held.embeds.shape[0]), T - 1)
         if n < REUSE_MIN_ROWS:
             return 0
-        same = (embeds[:n] == held.embeds[:n]).all(dim=1) & (position_ids[:, 0, :n] == held.position_ids[:, 0, :n]).all(dim=0)
+        same = (embeds[:n] == held.embeds[:n]).all(dim=1)
+        same &= (position_ids[:, 0, :n] == held.position_ids[:, 0, :n]).all(dim=0)
         shared = n if bool(same.all()) else int(torch.argmin(same.to(torch.int8)))
         shared = min(shared, _same_visual_before(visual, held.visual, shared))
         # the rows after are prefilled in one pass: a long rest goes the whole prompt's layer-major way
@@ -480,8 +481,9 @@ class StaticDecoder:
         if size is not None and not stop():
             held = self._held
             # a held conversation's rows move into the grown cache (after the step's capture has written its row)
-            rows = [] if held is None else [(k[:, :, :held.embeds.shape[0]].clone(), v[:, :, :held.embeds.shape[0]].clone())
-                                             for k, v in zip(self.k_cache, self.v_cache, strict=True)]
+            n = 0 if held is None else int(held.embeds.shape[0])
+            rows = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.k_cache, self.v_cache, strict=True)
+                    if n]
             self._alloc(size)
             self.length = 0
             self.delta.fill_(0)
