@@ -116,6 +116,23 @@ def engine(quantized_dir):
     eng.close()
 
 
+@pytest.fixture()
+def decoder(engine, monkeypatch):
+    """The shared tiny engine's thinker decoder, taking the graph path (padded to buckets, graphs kept per key)
+    as on CUDA, its deferral on (a server's); restored afterwards."""
+    engine.loader.ensure("thinker_text")
+    dec = engine.decoders.thinker
+    monkeypatch.setattr(dec, "_graphs_for", lambda rows: True)
+    monkeypatch.setattr(dec, "defer", True)
+    dec.release()
+    dec._wanted.clear()
+    dec._last_rows = dec._growth = 0
+    yield dec
+    dec.release()
+    dec._wanted.clear()
+    dec._stepped_by = None
+
+
 # --------------------------------------------------------------------------- real hardware (`device` marker)
 
 

@@ -5,26 +5,9 @@ in the cache. CPU, through the graph path's bookkeeping as in tests/test_deferre
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from orin.decode import REUSE_MIN_ROWS
-
-
-@pytest.fixture()
-def decoder(engine, monkeypatch):
-    """The shared tiny engine's thinker decoder with its deferral on (a server's), released afterwards."""
-    engine.loader.ensure("thinker_text")
-    dec = engine.decoders.thinker
-    monkeypatch.setattr(dec, "_graphs_for", lambda rows: True)
-    monkeypatch.setattr(dec, "defer", True)
-    dec.release()
-    dec._wanted.clear()
-    dec._last_rows = dec._growth = 0
-    yield dec
-    dec.release()
-    dec._wanted.clear()
-    dec._stepped_by = None
 
 
 def _turns(engine, first: int, more: int, seed: int = 0):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from orin import components as C
@@ -29,23 +28,6 @@ def test_cache_positions_round_to_the_granule():
     assert C.cache_positions(C.CACHE_GRANULE + 1) == 2 * C.CACHE_GRANULE
     for n in (1, 100, 1023, 1024, 5000):  # a bucket never needs more than the cache its prompt gets
         assert C.cache_positions(n) >= prefill_bucket(min(n, C.LONG_PREFILL_TOKENS))
-
-
-@pytest.fixture()
-def decoder(engine, monkeypatch):
-    """The shared tiny engine's thinker decoder, taking the graph path (padded to buckets, graphs kept per key)
-    as on CUDA, its deferral on; restored afterwards."""
-    engine.loader.ensure("thinker_text")
-    dec = engine.decoders.thinker
-    monkeypatch.setattr(dec, "_graphs_for", lambda rows: True)
-    monkeypatch.setattr(dec, "defer", True)
-    dec.release()
-    dec._wanted.clear()
-    dec._last_rows = dec._growth = 0
-    yield dec
-    dec.release()
-    dec._wanted.clear()
-    dec._stepped_by = None
 
 
 def _prompt(engine, n: int, seed: int = 0):
