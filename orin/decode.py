@@ -46,8 +46,9 @@ _ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
 # A conversation's next turn (GenerationRequest.continues) reads its prompt's prefix from the cache where the last
 # prompt left it: at least this many rows, or it is prefilled whole.
 REUSE_MIN_ROWS = 64
-# The longest prompt whose rows are held for the next turn: its embeddings and recorded hidden states stay alive
-# between requests (three [T, H] tensors: 100 MB for the thinker at this length, inside the plan's runtime margin).
+# The longest prompt whose rows are held for a next turn (any prompt where the weights stay put: a conversation's
+# first turn does not know it is one): its embeddings and recorded hidden states stay alive between requests
+# (three [T, H] tensors: 100 MB for the thinker at this length, inside the plan's runtime margin).
 HELD_MAX_ROWS = 8192
 
 
@@ -205,9 +206,10 @@ class StaticDecoder:
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
         masks them until it overwrites them.
 
-        `continues` (a conversation's next turn, where the weights stay put): the rows the prompt shares with the
-        last one, whose keys and values are still in the cache, are not computed again; the rest is prefilled
-        after them (eagerly, causal over the whole cache), and this prompt's rows are held for the turn after."""
+        Where the weights stay put, a prompt of up to HELD_MAX_ROWS rows is held for the turn after: with
+        `continues` (a conversation's next turn) the rows a prompt shares with the held one, whose keys and
+        values are still in the cache, are not computed again; the rest is prefilled after them (eagerly,
+        causal over the whole cache)."""
         T = int(embeds.shape[0])
         # Whole granules where the weights stay put (the graphs that read the cache live on); time-sliced, the
         # cache is sized to the request, as every byte counts against the budget (the plan counts granules).
@@ -220,7 +222,7 @@ class StaticDecoder:
                                            max(max_len, T + 1))
         self._held = None  # this prefill overwrites the rows; held again below once they are this prompt's
         held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])), {}) \
-            if continues and kept and T <= HELD_MAX_ROWS else None
+            if kept and T <= HELD_MAX_ROWS else None
         # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
         graph = graph and T <= C.LONG_PREFILL_TOKENS and self._graphs_for(embeds)
         Tb = -(-T // bucket) * bucket if bucket else prefill_bucket(T) if graph else T

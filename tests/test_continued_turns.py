@@ -57,9 +57,13 @@ def test_a_next_turn_reads_the_shared_rows_and_equals_a_whole_prefill(engine, de
 
 def test_rows_are_read_only_where_they_are_the_same_and_still_in_the_cache(engine, decoder):
     one, two = _turns(engine, 150, 90)
-    # not asked for: a request that does not continue one prefills whole, and holds nothing for the next
+    # a conversation's first turn does not say it is one: its rows are held all the same
     _prefill(decoder, one, continues=False)
     _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
+    # not asked for: a request that does not continue one prefills whole
+    _prefill(decoder, one, continues=True)
+    _prefill(decoder, two, continues=False)
     assert decoder.last_prefill != "reused"
     # another conversation in between: its prefill overwrote the rows
     _prefill(decoder, one, continues=True)

@@ -56,6 +56,21 @@ def test_text_completion_with_the_openai_client(server, engine):
     assert report["completion_tokens"] == resp.usage.completion_tokens
 
 
+def test_a_chat_that_goes_on_reads_its_earlier_turns_from_the_cache(server, engine):
+    """A request carrying the model's earlier answer continues that conversation: the rows its prompt shares
+    with the last request's come from the KV cache (the report's timeline says `prefill_reused`)."""
+    client = kit.client(server)
+    first = [{"role": "system", "content": "Answer in one word."},
+             {"role": "user", "content": "Describe " + "the quiet harbour at dawn, " * 12}]
+    one = client.chat.completions.create(model=engine.model_name, messages=first, max_tokens=4)
+    assert "prefill_reused" not in one.model_extra["orin"]["timeline_s"]
+    follow = [*first, {"role": "assistant", "content": one.choices[0].message.content},
+              {"role": "user", "content": "Why?"}]
+    two = client.chat.completions.create(model=engine.model_name, messages=follow, max_tokens=4)
+    assert "prefill_reused" in two.model_extra["orin"]["timeline_s"]
+    assert two.choices[0].message.content and two.usage.prompt_tokens > one.usage.prompt_tokens
+
+
 def test_image_audio_in_speech_out_with_the_openai_client(server, engine):
     resp = kit.client(server).chat.completions.create(
         model=engine.model_name, messages=[{"role": "user", "content": kit.mm_content()}], max_tokens=8,

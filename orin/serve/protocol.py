@@ -437,8 +437,12 @@ def generation_request(req: ChatRequest, max_speech_seconds: float | None = None
     extra: dict = {"voice": req.voice} if req.voice else {}
     if max_speech_seconds is not None:
         extra["max_audio_frames"] = max(1, math.ceil(max_speech_seconds * CODEC_FRAMES_PER_SECOND))
+    # A chat that carries the model's earlier answers continues a conversation: its prompt most likely starts with
+    # the last request's, whose rows the engine then reads from its cache (GenerationRequest.continues).
+    continues = any(m.get("role") == "assistant" for m in req.messages)
     return GenerationRequest(messages=req.messages, max_new_tokens=req.max_new_tokens, speech=req.audio_out,
-                             temperature=req.temperature, top_p=req.top_p, seed=req.seed, **extra)
+                             temperature=req.temperature, top_p=req.top_p, seed=req.seed, continues=continues,
+                             **extra)
 
 
 def key_matches(token: str, keys: tuple[str, ...]) -> bool:
