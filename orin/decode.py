@@ -474,18 +474,18 @@ class StaticDecoder:
     def capture_deferred(self, stop: Callable[[], bool]) -> int:
         """While the GPU is idle (a server between requests): grow the cache ahead of a growing conversation
         (re-capturing the decode step), then capture the wanted prefill buckets, newest first, one at a time
-        until `stop()`. Each writes garbage into the cache, which the next prefill overwrites. Returns the
-        captures made."""
+        until `stop()`. Each writes garbage into the cache, which the next prefill overwrites; the held
+        prompt's rows (a conversation's next turn reads them) are put back afterwards. Returns the captures
+        made."""
+        if not self.k_cache or (self._grow_to() is None and not self._wanted):
+            return 0
+        held = self._held
+        n = 0 if held is None else int(held.embeds.shape[0])
+        kept = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.k_cache, self.v_cache, strict=True)
+                if n]
         made = 0
-        if not self.k_cache:
-            return made
         size = self._grow_to()
         if size is not None and not stop():
-            held = self._held
-            # a held conversation's rows move into the grown cache (after the step's capture has written its row)
-            n = 0 if held is None else int(held.embeds.shape[0])
-            rows = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.k_cache, self.v_cache, strict=True)
-                    if n]
             self._alloc(size)
             self.length = 0
             self.delta.fill_(0)
@@ -494,14 +494,8 @@ class StaticDecoder:
             else:
                 self.step_embeds(torch.zeros_like(self.embeds))
             self.length = 0
-            for i, (k_rows, v_rows) in enumerate(rows):
-                self.k_cache[i][:, :, :k_rows.shape[2]] = k_rows
-                self.v_cache[i][:, :, :v_rows.shape[2]] = v_rows
-            self._held = held
             made += 1
-        # a prefill bucket's capture writes the cache from row 0: not while a conversation's rows are held (its
-        # next turn prefills after them, eagerly)
-        while self._wanted and self._held is None and not stop():
+        while self._wanted and not stop():
             key, spec = self._wanted.popitem()
             if key in self._prefill_graphs or key[0] > self.max_len:
                 continue
@@ -509,6 +503,10 @@ class StaticDecoder:
             inputs["last"].fill_(key[0] - 1)
             self._prefill_graph(key, inputs)
             made += 1
+        for i, (k_rows, v_rows) in enumerate(kept):
+            self.k_cache[i][:, :, :n] = k_rows
+            self.v_cache[i][:, :, :n] = v_rows
+        self._held = held
         return made
 
     def _forward(self, layer_fn, from_tokens: bool):
