@@ -484,6 +484,7 @@ class StaticDecoder:
         kept = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.k_cache, self.v_cache, strict=True)
                 if n]
         made = 0
+        self._held = None  # not held while the rows are garbage: a failed capture leaves them so
         size = self._grow_to()
         if size is not None and not stop():
             self._alloc(size)
@@ -506,7 +507,7 @@ class StaticDecoder:
         for i, (k_rows, v_rows) in enumerate(kept):
             self.k_cache[i][:, :, :n] = k_rows
             self.v_cache[i][:, :, :n] = v_rows
-        self._held = held
+        self._held = held  # the rows are the held prompt's again
         return made
 
     def _forward(self, layer_fn, from_tokens: bool):

@@ -5,6 +5,7 @@ in the cache. CPU, through the graph path's bookkeeping as in tests/test_deferre
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from orin.decode import REUSE_MIN_ROWS
@@ -132,3 +133,23 @@ def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
     assert "prefill_reused" not in report_w.timeline_s
     assert report_c.token_ids == report_w.token_ids and text_c == text_w
     assert frames_c == frames_w
+
+
+def test_a_failed_idle_capture_leaves_nothing_to_read(engine, decoder):
+    """A capture that fails midway may have written over the held rows: nothing is read from them after it."""
+    one, two = _turns(engine, 150, 90)
+    _prefill(decoder, one, continues=True)
+    assert decoder._wanted
+
+    def fail(key, inputs):
+        decoder.k_cache[0].zero_()  # what a capture does to the rows before it fails
+        raise RuntimeError("capture failed")
+
+    decoder._prefill_graph = fail
+    try:
+        with pytest.raises(RuntimeError, match="capture failed"):
+            decoder.capture_deferred(lambda: False)
+    finally:
+        del decoder._prefill_graph
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill != "reused"
