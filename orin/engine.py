@@ -420,6 +420,7 @@ class Engine:
         with self.meter.stage("talker"):
             talker.prefill(plan.keeps_weights)
         state.mark("talker_prefilled")
+        state.mark(f"talker_prefill_{talker.decoder.last_prefill}")
         return talker
 
     def _advance_talker(self, state: RequestState, talker, vocoder, thinker_done: bool, until_end: bool = False):

@@ -12,6 +12,23 @@ from .request_state import RequestState
 
 # The code predictor's sampling when the talker samples, as HF's talker calls it (top_k 50, top_p 0.8).
 CODE_TOP_K, CODE_TOP_P = 50, 0.8
+# The user turns' projections run on blocks of this many rows (see _in_blocks).
+PROJECTION_ROWS = 64
+
+
+def _in_blocks(fn, x):
+    """fn over x [1, n, H] in blocks of PROJECTION_ROWS rows, the last padded: every row comes out of a GEMM of
+    the same shape, so the same bits in every prompt it is part of. A conversation's next turn then finds its
+    earlier turns' talker rows unchanged, and its talker prefill reads them from the cache (orin.decode compares
+    them bit for bit); one GEMM over all the rows could take another kernel as the prompt grows."""
+    import torch
+    import torch.nn.functional as F
+
+    n = x.shape[1]
+    pad = -n % PROJECTION_ROWS
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return torch.cat([fn(x[:, i:i + PROJECTION_ROWS]) for i in range(0, n + pad, PROJECTION_ROWS)], dim=1)[:, :n]
 
 
 class Talker:
@@ -64,8 +81,8 @@ class Talker:
         mm_rows = torch.nonzero(mm).flatten().to(self.device)
         text_rows = torch.nonzero(~mm).flatten().to(self.device)
         if mm_rows.numel():
-            full.index_copy_(1, mm_rows, t.hidden_projection(self.thinker_hidden.index_select(1, mm_rows)))
-        full.index_copy_(1, text_rows, t.text_projection(self.thinker_embed.index_select(1, text_rows)))
+            full.index_copy_(1, mm_rows, _in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows)))
+        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.thinker_embed.index_select(1, text_rows)))
         return full.index_select(1, user_rows.to(self.device)), host_ids[user_rows]
 
     def _assistant_part(self, a_start: int, speaker_id: int, bos, pad):

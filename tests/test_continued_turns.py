@@ -129,6 +129,7 @@ def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
               {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(1.5, seed=4)}]}]
     text_c, report_c, frames_c = run(second, continues=True)
     assert "prefill_reused" in report_c.timeline_s
+    assert "talker_prefill_reused" in report_c.timeline_s  # its projections are row-stable (talker._in_blocks)
     text_w, report_w, frames_w = run(second, continues=False)
     assert "prefill_reused" not in report_w.timeline_s
     assert report_c.token_ids == report_w.token_ids and text_c == text_w
@@ -153,3 +154,21 @@ def test_a_failed_idle_capture_leaves_nothing_to_read(engine, decoder):
         del decoder._prefill_graph
     _prefill(decoder, two, continues=True)
     assert decoder.last_prefill != "reused"
+
+
+def test_the_talkers_projections_run_on_fixed_blocks():
+    """The talker's user-turn projections see only PROJECTION_ROWS-row inputs, whatever the prompt's length, so
+    a row's projection has the same bits in every turn (on CUDA a GEMM's kernel depends on its rows)."""
+    from orin.talker import PROJECTION_ROWS, _in_blocks
+
+    proj = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8))
+    seen: list[int] = []
+    proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    x = torch.randn(1, 3 * PROJECTION_ROWS + 5, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = _in_blocks(proj, x)
+        shorter = _in_blocks(proj, x[:, :PROJECTION_ROWS + 9])
+    assert set(seen) == {PROJECTION_ROWS} and len(seen) == 4 + 2
+    assert whole.shape == (1, x.shape[1], 8)
+    assert torch.equal(shorter, whole[:, :PROJECTION_ROWS + 9])
+    torch.testing.assert_close(whole, proj(x))
