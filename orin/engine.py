@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import components as C
-from .attention_kernels import engine_attention
+from .attention_kernels import without_cudnn_attention
 from .audio_format import OUTPUT_SAMPLE_RATE
 from .contract import AudioChunk, Done, GenerationRequest, Observer, Report, Staged, TextDelta
 from .errors import InputError
@@ -143,7 +143,7 @@ class Engine:
         Returns the captures made."""
         import torch
 
-        with self._lock, torch.inference_mode(), engine_attention():
+        with self._lock, torch.inference_mode(), without_cudnn_attention():
             if not self._kept_weights:
                 return 0
             return (self.thinker.encoder_graphs.capture_deferred(stop) + self.vocoder_graphs.capture_deferred(stop)
@@ -179,7 +179,7 @@ class Engine:
         import torch
 
         self._validate(req)
-        with self._lock, torch.inference_mode(), engine_attention():
+        with self._lock, torch.inference_mode(), without_cudnn_attention():
             state = RequestState(req, cancel)
             self.loader.begin_request()
             with self.meter.measure("request") as measurement:

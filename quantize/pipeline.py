@@ -118,7 +118,9 @@ def quantize_run(cfg: QuantConfig) -> QuantizeRun:
     log = Progress(cfg.progress)
     plan = _validate(cfg)
     meter = RunMeter(plan["device"])
-    with _exclusive(plan["out"]):
+    from orin.attention_kernels import without_cudnn_attention
+
+    with _exclusive(plan["out"]), without_cudnn_attention():
         manifest, memory = _run(cfg, plan, log, meter)
     figures = {} if memory is None else {"memory_plan": memory.to_json(), **meter.figures()}
     if figures:

@@ -294,3 +294,17 @@ def test_synthetic_bf16_checkpoint_is_quantized(tmp_path):
                                  reply_tokens=2, speech_frames=2, device="cpu", progress=False))
     assert m.finished == ("thinker",)
     assert load_report(tmp_path / "q")["segments"]["thinker"]["layer_types"]["thinker.attn.q_proj"]["modules"] == 1
+
+
+def test_the_bf16_passes_run_without_cudnn_attention(tiny_model_dir, tmp_path, monkeypatch):
+    """quantize's passes through transformers' generate() grow their cache a row every token: a new attention
+    shape each time, which cuDNN's SDPA would plan anew (orin.attention_kernels); the run holds it off and
+    gives torch's choice back."""
+    from quantize import pipeline
+
+    seen = []
+    monkeypatch.setattr(pipeline, "_run", lambda *a: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or
+                        (None, None))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    run_quantize(QuantConfig(model=tiny_model_dir, out=str(tmp_path / "out"), **TINY_QUANTIZE))
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()

@@ -114,7 +114,7 @@ def _encoder_alone(engine, question) -> tuple[float, float]:
     cost); the turns' encoder times beside them show what the server adds to the eager path."""
     import torch
 
-    from ..attention_kernels import engine_attention
+    from ..attention_kernels import without_cudnn_attention
     from ..contract import GenerationRequest
     from ..media import resample
     from ..thinker import AudioTokenCache
@@ -125,7 +125,7 @@ def _encoder_alone(engine, question) -> tuple[float, float]:
     inputs = {k: (v.to(engine.device) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
     engine.loader.ensure("audio_encoder")
     times = []
-    with torch.inference_mode(), engine_attention():  # as the engine runs it
+    with torch.inference_mode(), without_cudnn_attention():  # as the engine runs it
         for _ in range(3):
             engine.thinker.audio_tokens = AudioTokenCache()
             start = time.perf_counter()
