@@ -46,10 +46,10 @@ _ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
 # A conversation's next turn (GenerationRequest.continues) reads its prompt's prefix from the cache where the last
 # prompt left it: at least this many rows, or it is prefilled whole.
 REUSE_MIN_ROWS = 64
-# The longest prompt whose rows are held for a next turn (any prompt where the weights stay put: a conversation's
-# first turn does not know it is one): its embeddings and recorded hidden states stay alive between requests
-# (three [T, H] tensors: 100 MB for the thinker at this length, inside the plan's runtime margin).
-HELD_MAX_ROWS = 8192
+# The most a prompt held for a next turn may keep alive between requests (any prompt where the weights stay put:
+# a conversation's first turn does not know it is one): its embeddings, recorded hidden states and deepstack
+# features. Inside the plan's runtime margin; about 10,000 text or audio tokens of the real thinker.
+HELD_MAX_BYTES = 128 << 20
 
 
 def _specs(inputs: dict) -> dict:
@@ -206,7 +206,7 @@ class StaticDecoder:
         causal attention keeps them out of its rows; their cache entries lie past the prompt, where decoding
         masks them until it overwrites them.
 
-        Where the weights stay put, a prompt of up to HELD_MAX_ROWS rows is held for the turn after: with
+        Where the weights stay put, a prompt of up to HELD_MAX_BYTES is held for the turn after: with
         `continues` (a conversation's next turn) the rows a prompt shares with the held one, whose keys and
         values are still in the cache, are not computed again; the rest is prefilled after them (eagerly,
         causal over the whole cache)."""
@@ -222,7 +222,7 @@ class StaticDecoder:
                                            max(max_len, T + 1))
         self._held = None  # this prefill overwrites the rows; held again below once they are this prompt's
         held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])), {}) \
-            if kept and T <= HELD_MAX_ROWS else None
+            if kept and _held_bytes(embeds, visual, len(record)) <= HELD_MAX_BYTES else None
         # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
         graph = graph and T <= C.LONG_PREFILL_TOKENS and self._graphs_for(embeds)
         Tb = -(-T // bucket) * bucket if bucket else prefill_bucket(T) if graph else T
@@ -318,7 +318,7 @@ class StaticDecoder:
         self.runner.check = True
         self.last_prefill = "reused"
         self._held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])),
-                           states) if T <= HELD_MAX_ROWS else None
+                           states) if _held_bytes(embeds, visual, len(states)) <= HELD_MAX_BYTES else None
         return Prefilled(self.head(hidden), hidden.unsqueeze(0), {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
@@ -543,6 +543,14 @@ class StaticDecoder:
         logits, hidden = self.runner.run(lambda fn: self._forward(fn, False), self._weights)
         self.length += 1
         return logits, hidden
+
+
+def _held_bytes(embeds: torch.Tensor, visual, states: int) -> int:
+    """What holding a prompt keeps alive: its embeddings, `states` recorded hidden states of the same size and
+    its deepstack features."""
+    row = embeds.element_size() * embeds.shape[-1]
+    return row * embeds.shape[0] * (1 + states) + \
+        (sum(f.numel() * f.element_size() for f in visual[1]) if visual is not None and visual[1] else 0)
 
 
 def _same_visual_before(visual, held_visual, rows: int) -> int:

@@ -172,3 +172,20 @@ def test_the_talkers_projections_run_on_fixed_blocks():
     assert whole.shape == (1, x.shape[1], 8)
     assert torch.equal(shorter, whole[:, :PROJECTION_ROWS + 9])
     torch.testing.assert_close(whole, proj(x))
+
+
+def test_a_prompt_over_the_held_bytes_is_not_held(engine, decoder, monkeypatch):
+    """Holding keeps a prompt's embeddings and recorded states alive between requests: never more than
+    HELD_MAX_BYTES of them (outside the plan, inside its runtime margin)."""
+    from orin import decode
+
+    one, two = _turns(engine, 150, 90)
+    row = one[0].element_size() * one[0].shape[-1] * 3  # the embeddings and the two recorded states
+    monkeypatch.setattr(decode, "HELD_MAX_BYTES", 150 * row - 1)
+    _prefill(decoder, one, continues=True)
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill != "reused"
+    monkeypatch.setattr(decode, "HELD_MAX_BYTES", 150 * row)
+    _prefill(decoder, one, continues=True)
+    _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
