@@ -221,8 +221,8 @@ class StaticDecoder:
                 return self._prefill_after(shared, embeds, position_ids, visual, record, rope_delta,
                                            max(max_len, T + 1))
         self._held = None  # this prefill overwrites the rows; held again below once they are this prompt's
-        held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])), {}) \
-            if kept and _held_bytes(embeds, visual, len(record)) <= HELD_MAX_BYTES else None
+        # the deepstack levels as given: a long prompt's prefill drops each from its list once added
+        visual_given = None if visual is None else (visual[0], list(visual[1]))
         # a long prompt's kernels are large enough that launches cost nothing (orin.components.LONG_PREFILL_TOKENS)
         graph = graph and T <= C.LONG_PREFILL_TOKENS and self._graphs_for(embeds)
         Tb = -(-T // bucket) * bucket if bucket else prefill_bucket(T) if graph else T
@@ -265,9 +265,7 @@ class StaticDecoder:
         self.length = T
         self.runner.check = True
         states = {i: s[:T] for i, s in states.items()}
-        if held is not None:
-            held.states = states
-        self._held = held
+        self._held = _hold(embeds, position_ids, visual_given, states) if kept else None
         return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _shared_rows(self, embeds, position_ids, visual, record: tuple[int, ...], need: int) -> int:
@@ -317,8 +315,7 @@ class StaticDecoder:
         self.length = T
         self.runner.check = True
         self.last_prefill = "reused"
-        self._held = _Held(embeds, position_ids, visual if visual is None else (visual[0], list(visual[1])),
-                           states) if _held_bytes(embeds, visual, len(states)) <= HELD_MAX_BYTES else None
+        self._held = _hold(embeds, position_ids, visual, states)
         return Prefilled(self.head(hidden), hidden.unsqueeze(0), {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
@@ -545,12 +542,14 @@ class StaticDecoder:
         return logits, hidden
 
 
-def _held_bytes(embeds: torch.Tensor, visual, states: int) -> int:
-    """What holding a prompt keeps alive: its embeddings, `states` recorded hidden states of the same size and
-    its deepstack features."""
-    row = embeds.element_size() * embeds.shape[-1]
-    return row * embeds.shape[0] * (1 + states) + \
-        (sum(f.numel() * f.element_size() for f in visual[1]) if visual is not None and visual[1] else 0)
+def _hold(embeds: torch.Tensor, position_ids: torch.Tensor, visual, states: dict) -> _Held | None:
+    """The prompt to hold for a next turn, or None where it would keep more than HELD_MAX_BYTES alive (its
+    embeddings, recorded hidden states and deepstack features)."""
+    levels = visual[1] if visual is not None and visual[1] else []
+    kept = sum(t.numel() * t.element_size() for t in (embeds, *states.values(), *levels))
+    if kept > HELD_MAX_BYTES:
+        return None
+    return _Held(embeds, position_ids, None if visual is None else (visual[0], list(visual[1])), states)
 
 
 def _same_visual_before(visual, held_visual, rows: int) -> int:
