@@ -293,9 +293,9 @@ class AudioEncoder(nn.Module):
         convolved = []
         size = self.config.conv_chunksize
         for part in x.split(size, dim=0):  # bounds the convolutions' activation memory
-            n = part.shape[0]
-            if conv_batch(n, size) > n:  # a recurring shape (see conv_batch); each chunk is convolved on its own
-                part = torch.cat([part, part.new_zeros((conv_batch(n, size) - n, *part.shape[1:]))])
+            n, batch = part.shape[0], conv_batch(part.shape[0], size)
+            if batch > n:  # a recurring shape (see conv_batch); each chunk is convolved on its own
+                part = torch.cat([part, part.new_zeros((batch - n, *part.shape[1:]))])
             part = F.gelu(self.conv2d1(part))
             part = F.gelu(self.conv2d2(part))
             convolved.append(F.gelu(self.conv2d3(part))[:n])
