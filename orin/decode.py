@@ -297,26 +297,19 @@ class StaticDecoder:
         self._need = need
         x = embeds[shared:]
         cos, sin = m.rotary_emb(x.unsqueeze(0), position_ids[..., shared:])
-        pos = self.positions[shared:T]
-        rows, levels = None, []
+        inputs = {"x": x, "cos": cos[0], "sin": sin[0], "last": torch.tensor([T - shared - 1], device=self.device)}
+        rest = None  # the deepstack rows after the shared ones, counted from the first row prefilled
         if visual is not None and visual[1]:
             after = visual[0] >= shared
-            rows, levels = visual[0][after] - shared, [feat[after] for feat in visual[1]]
-        states = {0: x} if 0 in record else {}
-        for i, (spec, w) in enumerate(self._prefill_layers({})):
-            x = decoder_layer(x, cos[0], sin[0], None, pos, self.k_cache[i], self.v_cache[i], w, spec, prefix=shared)
-            if i + 1 in record:
-                states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x
-            if rows is not None and i < len(levels) and rows.numel():
-                x = x.index_add(0, rows, levels[i].to(x.dtype))
-        hidden = m.norm(x[-1:])
+            rest = (visual[0][after] - shared, [feat[after] for feat in visual[1]])
+        logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, rest, start=shared)
         states = {i: torch.cat([held.states[i][:shared], s]) for i, s in states.items()}
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
         self.last_prefill = "reused"
         self._held = _hold(embeds, position_ids, visual, states)
-        return Prefilled(self.head(hidden), hidden.unsqueeze(0), {i: s.unsqueeze(0) for i, s in states.items()})
+        return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
         """Whether this prefill may go through a CUDA graph: graphs enabled (CUDA, INT4 experts throughout) and
@@ -377,14 +370,19 @@ class StaticDecoder:
             layers.append((spec, w))
         return layers
 
-    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...], visual: tuple | None = None):
+    def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...], visual: tuple | None = None,
+                         start: int = 0):
+        """The rows of `inputs` through every layer, written into the caches from position `start` (0: a whole
+        prompt; more: the rows after a prefix the caches hold, attending over it too)."""
         m = self.model
         x = inputs["x"]
-        pos = self.positions[:x.shape[0]]
+        pos = self.positions[start:start + x.shape[0]]
+        after = {"prefix": start} if start else {}
         ds = inputs.get("ds")
         states = {0: x} if 0 in record else {}
         for i, (spec, w) in enumerate(self._prefill_layers(inputs)):
-            x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec)
+            x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec,
+                         **after)
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed
             if ds is not None and i < ds.shape[0]:
