@@ -23,8 +23,7 @@ OUT=${OUT:-build/bench-out}
 WORK=${BENCH_WORKDIR:-/tmp/orin-bench}
 LIMIT=${BENCH_LIMIT_S:-540}
 mkdir -p "$OUT" "$WORK"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/device_site.sh
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"

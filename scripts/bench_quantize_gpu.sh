@@ -20,8 +20,7 @@ OUT=${OUT:-build/qbench-out}
 WORK=${QBENCH_WORKDIR:-/tmp/orin-qbench}
 N=${QBENCH_LAYERS:-2}
 mkdir -p "$OUT" "$WORK"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/device_site.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 rc=0
 for layers in ${QBENCH_SIZES:-$N $((2 * N))}; do
