@@ -195,6 +195,26 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
     return out
 
 
+# A masked pass with at most this many query rows per KV head (a decode step, the code predictor's) goes through
+# _attend_few; more rows (a continued prefill's) through SDPA.
+SMALL_QUERY_ROWS = 64
+
+
+@torch.compiler.disable  # bmm's out_dtype has no inductor lowering on torch 2.9 (pytorch#165892)
+def _attend_few(q, k, v, mask, scale: float):
+    """Attention of a few query rows q [kv, n, hd] over a whole static cache k, v [kv, L, hd], mask [1 or n, L]
+    (True: attend), as two batched GEMMs and a softmax in float32. SDPA's kernels spread a decode step's work over
+    the batch, heads and query blocks only, not over the keys: with one query block and 4 KV heads, 4 blocks of
+    the GPU walk the whole cache (run 21: 60 ms a token at 25k positions on the H200, where reading the cache
+    takes 1 ms). GEMMs split over the keys; the scores, [kv, n, L] in float32, are a few MB at most."""
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        scores = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2))
+    scores = scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 _FLASH: dict = {}
 
 
@@ -252,6 +272,9 @@ def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Lay
         att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                              scale=spec.scaling, enable_gqa=True)
         att = att[0].transpose(0, 1).reshape(T, spec.heads * hd)
+    elif rep * T <= SMALL_QUERY_ROWS:
+        att = _attend_few(q.reshape(kv, rep * T, hd), k_cache[0], v_cache[0], mask[0], spec.scaling)
+        att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
     else:
         qg = q.reshape(1, kv, rep * T, hd)
         att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)

@@ -414,3 +414,26 @@ def test_deferred_captures_give_the_eager_results(cuda_engine):
             assert run() == reference
     finally:
         engine.defer_captures(False)
+
+
+def test_decode_attention_over_a_long_cache_matches_sdpa():
+    """A decode step's attention in bf16 on the GPU (scores in float32) against SDPA's, over a 25k-position cache
+    a third of which is masked."""
+    import torch
+    import torch.nn.functional as F
+
+    import orin.decoder_layer as dl
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    kv, rep, hd, L = 4, 8, 128, 25600
+    q = torch.randn((kv, rep, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn((kv, L, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn((kv, L, hd), generator=gen, device="cuda").to(torch.bfloat16)
+    mask = (torch.arange(L, device="cuda") < 17000).view(1, 1, L)
+    with torch.inference_mode():
+        got = dl._attend_few(q, k, v, mask, hd ** -0.5)
+        want = F.scaled_dot_product_attention(q.unsqueeze(0).float(), k.unsqueeze(0).float(), v.unsqueeze(0).float(),
+                                              attn_mask=mask.unsqueeze(0), scale=hd ** -0.5)[0]
+    assert _rel(got, want) < 1e-2
