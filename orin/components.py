@@ -56,8 +56,10 @@ CODE2WAV_LEFT_CONTEXT = 25
 # The talker may start speaking after the thinker has produced this many text tokens.
 TALKER_START_TOKENS = 1
 # The most patches one vision-encoder pass over a video takes (whole temporal grids; 784 patches a grid at 448²):
-# the encoder attends within a temporal grid only, so a clip goes through a few grids at a time.
-VIDEO_ENCODE_PATCHES = 16384
+# the encoder attends within a temporal grid only, so a clip goes through a few grids at a time. Run 21 (2 fps,
+# 16,384) peaked at 1.0 GB over the resident weights and caches while encoding, the request's peak: half as many
+# patches halves a pass's activations; passes of 8,192 patches are still a few large GEMMs each.
+VIDEO_ENCODE_PATCHES = 8192
 # Over this prompt length (a video's tens of thousands of tokens) the prefill runs eagerly, not from a CUDA
 # graph (whose pool would keep a one-off length's intermediates), one layer at a time over the whole prompt,
 # its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few

@@ -327,7 +327,9 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     if tokens["vision_patches"]:
         # attention within each frame: a pass's frames' scores, even where SDPA's math path materialises them
         P, frame = tokens["vision_patches"], tokens["vision_frame_patches"]
-        out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b
+        # plus the features of every pass so far (the video's whole output, deepstack levels too, by the last)
+        done = (tokens["image"] + tokens["video"]) * t["hidden"] * b * (1 + t.get("deepstack", 3))
+        out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b + done
     visual = (tokens["image"] + tokens["video"]) * t["hidden"] * b * t.get("deepstack", 3)
     out["thinker_text"] = _prefill_bytes(T, t, b) + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
     if tokens["talker_frames"]:
