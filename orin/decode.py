@@ -42,7 +42,9 @@ PREFILL_LOOKAHEAD_MAX = 2048
 # each pass is a fifth of a second of idle time.
 PREFILL_CAPTURE_WARMUPS = 1
 # The rows of each graph-prefill input that grow with the bucket (the rest: `last`, one index).
-_ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1}
+_ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1, "pos": 0, "mask": 2}
+# The last element of a continued prefill's bucket key (StaticDecoder._prefill_after).
+AFTER = "after"
 # A conversation's next turn (GenerationRequest.continues) reads its prompt's prefix from the cache where the last
 # prompt left it: at least this many rows, or it is prefilled whole.
 REUSE_MIN_ROWS = 64
@@ -126,7 +128,7 @@ class StaticDecoder:
         self._growth = 0
         self._stepped_by: str | None = None  # "tokens" (step) or "embeds" (step_embeds): how a dummy step goes
         self._prefill_captures = 0
-        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager, long, reused
+        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager, long, reused (eager), reused_graph, reused_deferred
         self._held: _Held | None = None  # the last prompt, where a next turn may read its rows from the cache
 
     @property
@@ -261,6 +263,8 @@ class StaticDecoder:
         else:
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, eager_visual)
             self.last_prefill = "eager"
+        if continues and graph and self.defer:
+            self._want_after(T, Tb, inputs, record)
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
@@ -289,27 +293,77 @@ class StaticDecoder:
     def _prefill_after(self, shared: int, embeds, position_ids, visual, record: tuple[int, ...],
                        rope_delta: int, need: int) -> Prefilled:
         """The prompt's rows after the `shared` ones the cache holds: written after them, attending causally over
-        the whole cache; the recorded hidden states are the held ones' first rows and this prefill's."""
+        the whole cache; the recorded hidden states are the held ones' first rows and this prefill's.
+
+        With graphs enabled the rows are padded to their bucket and replayed from a graph of their own (key
+        AFTER), which takes the positions and the mask over the whole cache as inputs, so one capture serves
+        any prefix length: a Realtime turn's new rows are a few hundred, and eagerly their ~5,000 launches took
+        160-210 ms (run 21) where the graph of the whole conversation had taken 84-124 ms (run 20b)."""
         m, held = self.model, self._held
         self._held = None  # rows past `shared` are overwritten from here on; held again once all are this prompt's
         T = int(embeds.shape[0])
+        R = T - shared
         self._growth, self._last_rows = (T - self._last_rows if 0 < self._last_rows < T else 0), T
-        self._need = need
         x = embeds[shared:]
+        Rb = prefill_bucket(R)
+        graph = self._graphs_for(x) and shared + Rb <= self.max_len
+        self._need = max(need, shared + Rb) if graph else need
         cos, sin = m.rotary_emb(x.unsqueeze(0), position_ids[..., shared:])
-        inputs = {"x": x, "cos": cos[0], "sin": sin[0], "last": torch.tensor([T - shared - 1], device=self.device)}
         rest = None  # the deepstack rows after the shared ones, counted from the first row prefilled
         if visual is not None and visual[1]:
             after = visual[0] >= shared
             rest = (visual[0][after] - shared, [feat[after] for feat in visual[1]])
-        logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, rest, start=shared)
-        states = {i: torch.cat([held.states[i][:shared], s]) for i, s in states.items()}
+        if graph:
+            inputs = self._after_inputs(x, cos[0], sin[0], rest, shared, Rb)
+            key = (Rb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None, AFTER)
+            if self.defer and key not in self._prefill_graphs:
+                self._want(R, key, inputs)
+                logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
+                self.last_prefill = "reused_deferred"
+            else:
+                logits, hidden, states = self._prefill_graph(key, inputs)
+                self.last_prefill = "reused_graph"
+        else:
+            inputs = {"x": x, "cos": cos[0], "sin": sin[0], "last": torch.tensor([R - 1], device=self.device)}
+            logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, rest, start=shared)
+            self.last_prefill = "reused"
+        states = {i: torch.cat([held.states[i][:shared], s[:R]]) for i, s in states.items()}
         self.delta.fill_(rope_delta)
         self.length = T
         self.runner.check = True
-        self.last_prefill = "reused"
         self._held = _hold(embeds, position_ids, visual, states)
         return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
+
+    def _want_after(self, T: int, Tb: int, inputs: dict, record: tuple[int, ...]) -> None:
+        """A conversation's first turn: want the continued-prefill buckets of a next turn about as long as this
+        prompt (its answer and the next question), so that the second turn already replays a graph."""
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in inputs.items() if k != "ds"}
+        meta["valid"] = torch.empty((Tb, 1), dtype=torch.bool, device="meta")
+        meta["pos"] = torch.empty((Tb,), dtype=torch.long, device="meta")
+        meta["mask"] = torch.empty((1, 1, rep * Tb, self.max_len), dtype=torch.bool, device="meta")
+        self._want(T, (Tb, record, None, AFTER), meta)
+
+    def _after_inputs(self, x, cos, sin, rest, shared: int, Rb: int) -> dict:
+        """A continued prefill's graph inputs: its R rows padded to Rb, their cache positions from `shared` on,
+        and the mask over the whole cache (row r*Rb+t, query head r of a KV group at row t, sees the keys up to
+        its own position; padding rows write and read past the prompt, where decoding masks them)."""
+        R = x.shape[0]
+        pad = Rb - R
+        inputs = {k: F.pad(v, (0, 0, 0, pad)) for k, v in (("x", x), ("cos", cos), ("sin", sin))}
+        if rest is not None:
+            ds = x.new_zeros((len(rest[1]), Rb, x.shape[1]))
+            for i, feat in enumerate(rest[1]):
+                ds[i].index_copy_(0, rest[0], feat.to(ds.dtype))
+            inputs["ds"] = ds
+        rows = torch.arange(Rb, device=self.device)
+        inputs["valid"] = (rows < R).unsqueeze(1)
+        inputs["last"] = torch.tensor([R - 1], device=self.device)
+        inputs["pos"] = rows + shared
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        inputs["mask"] = (self.positions.view(1, -1) <= inputs["pos"].view(-1, 1)).repeat(rep, 1).view(
+            1, 1, rep * Rb, self.max_len)
+        return inputs
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
         """Whether this prefill may go through a CUDA graph: graphs enabled (CUDA, INT4 experts throughout) and
@@ -373,15 +427,19 @@ class StaticDecoder:
     def _prefill_forward(self, layer_fn, inputs: dict, record: tuple[int, ...], visual: tuple | None = None,
                          start: int = 0):
         """The rows of `inputs` through every layer, written into the caches from position `start` (0: a whole
-        prompt; more: the rows after a prefix the caches hold, attending over it too)."""
+        prompt; more: the rows after a prefix the caches hold, attending over it too), or at the positions
+        `inputs["pos"]` under `inputs["mask"]` where given (_after_inputs)."""
         m = self.model
         x = inputs["x"]
-        pos = self.positions[start:start + x.shape[0]]
-        after = {"prefix": start} if start else {}
+        if "mask" in inputs:  # a continued prefill's graph: its positions and mask are inputs
+            pos, mask, after = inputs["pos"], inputs["mask"], {}
+        else:
+            pos, mask = self.positions[start:start + x.shape[0]], None
+            after = {"prefix": start} if start else {}
         ds = inputs.get("ds")
         states = {0: x} if 0 in record else {}
         for i, (spec, w) in enumerate(self._prefill_layers(inputs)):
-            x = layer_fn(x, inputs["cos"], inputs["sin"], None, pos, self.k_cache[i], self.v_cache[i], w, spec,
+            x = layer_fn(x, inputs["cos"], inputs["sin"], mask, pos, self.k_cache[i], self.v_cache[i], w, spec,
                          **after)
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(m.layers) else x  # HF's last entry is normed
@@ -423,24 +481,29 @@ class StaticDecoder:
 
     def _want(self, T: int, key: tuple, inputs: dict) -> None:
         """Note the bucket just prefilled eagerly, and those of the longer prompts likely next (_lookahead), for
-        capture_deferred()."""
-        Tb, record, _ = key
+        capture_deferred(). A continued prefill's (key AFTER; T its new rows) wants its own bucket and the next
+        ones up: a conversation's turns add an answer and a question each, about as many rows every time."""
+        Tb, record = key[:2]
         shapes = _specs(inputs)
-        # growing prompts: around the next one's predicted length (this one plus the last growth)
-        lo, hi = T + self._growth // 2, T + self._lookahead()
+        if key[3:] == (AFTER,):
+            lo, hi, nxt, growing = T, T + PREFILL_LOOKAHEAD // 2, Tb, False
+        else:  # growing prompts: around the next one's predicted length (this one plus the last growth)
+            lo, hi = T + self._growth // 2, T + self._lookahead()
+            nxt, growing = prefill_bucket(min(T + self._growth, C.LONG_PREFILL_TOKENS)), bool(self._growth)
         ahead = {prefill_bucket(n) for n in (*range(lo, hi, 64), hi)} - {Tb}
-        nxt = prefill_bucket(min(T + self._growth, C.LONG_PREFILL_TOKENS))
         # capture_deferred() takes the newest first: the predicted next prompt's bucket and its neighbours, this
         # prompt's own (a repeat of it) last where prompts grow, first where they do not; the trim drops the
         # least likely first
         order = sorted(ahead, key=lambda b: -abs(b - nxt))
-        for rows in ([Tb, *order] if self._growth else [*order, Tb]):
+        for rows in ([Tb, *order] if growing else [*order, Tb]):
             if rows > C.LONG_PREFILL_TOKENS:
                 continue
-            spec = {k: (shape[:_ROW_DIM[k]] + (rows,) + shape[_ROW_DIM[k] + 1:] if k in _ROW_DIM else shape, dtype)
+            # a row dimension may hold several rows per prompt row (the mask's, one per query head of a group)
+            spec = {k: (shape[:_ROW_DIM[k]] + (shape[_ROW_DIM[k]] // Tb * rows,) + shape[_ROW_DIM[k] + 1:]
+                        if k in _ROW_DIM else shape, dtype)
                     for k, (shape, dtype) in shapes.items()}
             ds = spec.get("ds")
-            wanted = (rows, record, ds[0] if ds else None)
+            wanted = (rows, record, ds[0] if ds else None) + key[3:]
             if wanted not in self._prefill_graphs:
                 self._wanted.pop(wanted, None)
                 self._wanted[wanted] = spec  # the latest request's buckets are captured first
@@ -495,8 +558,12 @@ class StaticDecoder:
             key, spec = self._wanted.popitem()
             if key in self._prefill_graphs or key[0] > self.max_len:
                 continue
-            inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in spec.items()}
+            # a mask spans the cache as it is now (grown above, maybe, since it was wanted)
+            inputs = {k: torch.zeros(shape[:-1] + (self.max_len,) if k == "mask" else shape, dtype=dtype,
+                                     device=self.device) for k, (shape, dtype) in spec.items()}
             inputs["last"].fill_(key[0] - 1)
+            if "mask" in inputs:  # every row sees a key, as in use: a row that sees none is NaN
+                inputs["mask"].fill_(True)
             self._prefill_graph(key, inputs)
             made += 1
         for i, (k_rows, v_rows) in enumerate(kept):
