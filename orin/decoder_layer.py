@@ -200,13 +200,21 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
 SMALL_QUERY_ROWS = 64
 
 
-@torch.compiler.disable  # bmm's out_dtype has no inductor lowering on torch 2.9 (pytorch#165892)
-def _attend_few(q, k, v, mask, scale: float):
-    """Attention of a few query rows q [kv, n, hd] over a whole static cache k, v [kv, L, hd], mask [1 or n, L]
-    (True: attend), as two batched GEMMs and a softmax in float32. SDPA's kernels spread a decode step's work over
-    the batch, heads and query blocks only, not over the keys: with one query block and 4 KV heads, 4 blocks of
-    the GPU walk the whole cache (run 21: 60 ms a token at 25k positions on the H200, where reading the cache
-    takes 1 ms). GEMMs split over the keys; the scores, [kv, n, L] in float32, are a few MB at most."""
+@torch.compiler.disable
+def _attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask, scale: float):
+    """Attention of a few query rows q [kv, n, hd] (a decode step's, the code predictor's) over a whole static
+    cache [1, kv, L, hd], after writing the new keys and values k_new, v_new [kv, T, hd] at `pos`; mask [1 or n,
+    L] (True: attend). Two batched GEMMs and a softmax in float32: SDPA's kernels spread a decode step's work
+    over the batch, heads and query blocks only, not over the keys, so with one query block and 4 KV heads, 4
+    blocks of the GPU walk the whole cache (run 21: 60 ms a token at 25k positions on the H200, where reading
+    the cache takes 1 ms). The GEMMs split over the keys; the scores, [kv, n, L] in float32, are a few MB.
+
+    Never compiled: everything that depends on the cache's length is in here, so a cache grown for a longer
+    conversation recompiles nothing (the compiled rest of the layer sees the same shapes), and bmm's out_dtype
+    has no inductor lowering on torch 2.9 (pytorch#165892)."""
+    k_cache.index_copy_(2, pos, k_new.unsqueeze(0))
+    v_cache.index_copy_(2, pos, v_new.unsqueeze(0))
+    k, v = k_cache[0], v_cache[0]
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         scores = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
     else:
@@ -264,6 +272,9 @@ def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Lay
     k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
     v = _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if mask is not None and rep * T <= SMALL_QUERY_ROWS:
+        att = _attend_few(q.reshape(kv, rep * T, hd), k, v, pos, k_cache, v_cache, mask[0], spec.scaling)
+        return x + _linear(att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd), spec.o, w["o"])
     k_cache.index_copy_(2, pos, k.unsqueeze(0))
     v_cache.index_copy_(2, pos, v.unsqueeze(0))
     if mask is None and prefix:
@@ -272,9 +283,6 @@ def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Lay
         att = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                              scale=spec.scaling, enable_gqa=True)
         att = att[0].transpose(0, 1).reshape(T, spec.heads * hd)
-    elif rep * T <= SMALL_QUERY_ROWS:
-        att = _attend_few(q.reshape(kv, rep * T, hd), k_cache[0], v_cache[0], mask[0], spec.scaling)
-        att = att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd)
     else:
         qg = q.reshape(1, kv, rep * T, hd)
         att = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=spec.scaling)

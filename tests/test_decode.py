@@ -168,8 +168,9 @@ def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows):
-    """A decode step's (and the code predictor's) attention, two GEMMs over the whole static cache with the
-    unwritten positions masked, equals SDPA's with the same mask; positions past the mask never count."""
+    """A decode step's (and the code predictor's) attention: the new keys and values written at their
+    positions, then two GEMMs over the whole static cache with the unwritten positions masked, equal to SDPA's
+    with the same mask; positions past the mask never count."""
     import torch.nn.functional as F
 
     import orin.decoder_layer as dl
@@ -177,11 +178,14 @@ def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows):
     gen = torch.Generator().manual_seed(3)
     kv, rep, hd, L, upto = 2, 4, 16, 40, 23
     q = torch.randn((kv, rep * rows, hd), generator=gen)
-    k = torch.randn((kv, L, hd), generator=gen)
-    v = torch.randn((kv, L, hd), generator=gen)
+    k_cache = torch.randn((1, kv, L, hd), generator=gen)
+    v_cache = torch.randn((1, kv, L, hd), generator=gen)
+    k_new, v_new = torch.randn((kv, rows, hd), generator=gen), torch.randn((kv, rows, hd), generator=gen)
+    pos = torch.arange(upto + 1 - rows, upto + 1)
     mask = (torch.arange(L) <= upto).view(1, 1, L).expand(1, rep * rows, L)
-    got = dl._attend_few(q, k, v, mask[0], 0.25)
-    want = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=0.25)
+    got = dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25)
+    assert torch.equal(k_cache[0, :, pos], k_new) and torch.equal(v_cache[0, :, pos], v_new)
+    want = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
-    k[:, upto + 1:] = 1e4  # garbage past the mask
-    torch.testing.assert_close(dl._attend_few(q, k, v, mask[0], 0.25), got)
+    k_cache[:, :, upto + 1:] = 1e4  # garbage past the mask
+    torch.testing.assert_close(dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25), got)

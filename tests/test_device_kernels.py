@@ -433,7 +433,8 @@ def test_decode_attention_over_a_long_cache_matches_sdpa():
     v = torch.randn((kv, L, hd), generator=gen, device="cuda").to(torch.bfloat16)
     mask = (torch.arange(L, device="cuda") < 17000).view(1, 1, L)
     with torch.inference_mode():
-        got = dl._attend_few(q, k, v, mask, hd ** -0.5)
+        got = dl._attend_few(q, k[:, :1], v[:, :1], torch.zeros(1, dtype=torch.long, device="cuda"),
+                             k.unsqueeze(0), v.unsqueeze(0), mask, hd ** -0.5)
         want = F.scaled_dot_product_attention(q.unsqueeze(0).float(), k.unsqueeze(0).float(), v.unsqueeze(0).float(),
                                               attn_mask=mask.unsqueeze(0), scale=hd ** -0.5)[0]
     assert _rel(got, want) < 1e-2
