@@ -198,6 +198,9 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
 # A masked pass with at most this many query rows per KV head (a decode step, the code predictor's) goes through
 # _attend_few; more rows (a continued prefill's) through SDPA.
 SMALL_QUERY_ROWS = 64
+# Up to this many cache positions _attend_few's attention stays SDPA's one fused kernel (the code predictor's 16, a
+# short conversation's): eight small kernels cost more than a few blocks reading a short cache.
+FEW_ROWS_SDPA_MAX_KEYS = 4096
 
 
 @torch.compiler.disable
@@ -207,7 +210,8 @@ def _attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask, scale: float):
     L] (True: attend). Two batched GEMMs and a softmax in float32: SDPA's kernels spread a decode step's work
     over the batch, heads and query blocks only, not over the keys, so with one query block and 4 KV heads, 4
     blocks of the GPU walk the whole cache (run 21: 60 ms a token at 25k positions on the H200, where reading
-    the cache takes 1 ms). The GEMMs split over the keys; the scores, [kv, n, L] in float32, are a few MB.
+    the cache takes 1 ms). The GEMMs split over the keys; the scores, [kv, n, L] in float32, are a few MB. A
+    cache of up to FEW_ROWS_SDPA_MAX_KEYS positions keeps SDPA's kernel.
 
     Never compiled: everything that depends on the cache's length is in here, so a cache grown for a longer
     conversation recompiles nothing (the compiled rest of the layer sees the same shapes), and bmm's out_dtype
@@ -215,6 +219,9 @@ def _attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask, scale: float):
     k_cache.index_copy_(2, pos, k_new.unsqueeze(0))
     v_cache.index_copy_(2, pos, v_new.unsqueeze(0))
     k, v = k_cache[0], v_cache[0]
+    if k.shape[1] <= FEW_ROWS_SDPA_MAX_KEYS:  # one fused kernel where a few blocks read the cache quickly
+        return F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask.unsqueeze(0),
+                                              scale=scale)[0]
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         scores = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
     else:

@@ -167,7 +167,8 @@ def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows):
+@pytest.mark.parametrize("gemms", [True, False])
+def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms, monkeypatch):
     """A decode step's (and the code predictor's) attention: the new keys and values written at their
     positions, then two GEMMs over the whole static cache with the unwritten positions masked, equal to SDPA's
     with the same mask; positions past the mask never count."""
@@ -175,6 +176,7 @@ def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows):
 
     import orin.decoder_layer as dl
 
+    monkeypatch.setattr(dl, "FEW_ROWS_SDPA_MAX_KEYS", 0 if gemms else 4096)
     gen = torch.Generator().manual_seed(3)
     kv, rep, hd, L, upto = 2, 4, 16, 40, 23
     q = torch.randn((kv, rep * rows, hd), generator=gen)
