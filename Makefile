@@ -21,14 +21,15 @@ COMPAT_FIXTURES ?= build/compat-fixtures
 CPY := $(COMPAT_VENV)/bin/python
 # The runtime's tests: the engine and its decode path, INT4, the server (protocol, media, admission, metrics,
 # systemd notify) and the smoke check, the own processor and model modules, the checkpoint reader, the device-side
-# CLI. Their HF-oracle parts skip themselves there (tests/conftest.py).
+# CLI; and the own GPTQ solver's batches (quantize's solver where GPTQModel does not install: the board). Their
+# HF-oracle parts skip themselves there (tests/conftest.py).
 COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py test_generate_cli.py \
 	test_server.py test_server_keepalive.py test_server_lifecycle.py test_chat_api.py test_media.py \
 	test_admission.py test_metrics.py test_sdnotify.py test_smoke.py test_inputs.py test_positions.py \
 	test_audio_encoder.py test_vision_encoder.py test_code2wav.py test_model.py test_checkpoint_layout.py \
 	test_manifest.py test_plan.py test_cli.py test_time_sliced.py test_block_reader.py test_residency.py \
 	test_packed_cache.py test_video.py test_video_model.py test_video_api.py test_vad.py test_realtime.py \
-	test_audio_api.py test_deferred_captures.py test_continued_turns.py)
+	test_audio_api.py test_deferred_captures.py test_continued_turns.py test_quantize_batched_solve.py)
 
 .PHONY: demo test test-compat venv venv-compat system-deps clean
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,15 @@ class QuantResult:
         s = self.scales.float()[group].t()
         return (self.codes.float() - z) * s
 
+    def split_rows(self, n: int) -> tuple[QuantResult, QuantResult]:
+        """The results of the first n output rows and of the rest: GPTQ solves each row on its own, so two
+        matrices with one Hessian (an expert's gate and up) solved stacked are the two solved apart."""
+        def rows(part: slice) -> QuantResult:
+            return QuantResult(self.codes[part].contiguous(), self.zeros[:, part].contiguous(),
+                               self.scales[:, part].contiguous(), self.group_size, self.method, self.nsamples)
+
+        return rows(slice(0, n)), rows(slice(n, None))
+
     def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return pack_gptq_v1(self.codes, self.zeros, self.scales, self.group_size, bias)
 
@@ -114,16 +124,19 @@ def solver_name(solver: str) -> str:
 
 class GPTQSolver:
     """GPTQ for one run's parameters (bits, group size, damping) on one device, through GPTQModel's solver or
-    the own one (`solver`: "gptqmodel" or "own", as resolve_solver gives)."""
+    the own one (`solver`: "gptqmodel" or "own", as resolve_solver gives). The own one also solves batches of
+    matrices of one shape at once (solve_batch), `batch_bytes` of working set at a time (0: one matrix at a
+    time, through tasks only)."""
 
     def __init__(self, bits: int, group_size: int, damp: float = DEFAULT_DAMP, device: str | torch.device = "cpu",
-                 sym: bool = True, solver: str = "gptqmodel"):
+                 sym: bool = True, solver: str = "gptqmodel", batch_bytes: int = gptq_solve.BATCH_BYTES):
         self.solver = solver
         self.group_size = group_size
         self.bits = bits
         self.sym = sym
         self.damp = damp
         self.device = torch.device(device)
+        self.batch_bytes = batch_bytes
         if solver == "own":
             return
         gptq_cls, config_factory = import_gptq()
@@ -139,6 +152,70 @@ class GPTQSolver:
     def task(self, weight: torch.Tensor) -> GPTQTask | OwnGPTQTask:
         return OwnGPTQTask(self, weight) if self.solver == "own" else GPTQTask(self, weight)
 
+    # ------------------------------------------------------------------ batches (the own solver)
+
+    @property
+    def batched(self) -> bool:
+        """Whether batches of one shape go through solve_batch (GPTQModel's solver takes one matrix at a time)."""
+        return self.solver == "own" and self.batch_bytes > 0
+
+    def batch_size(self, N: int, K: int) -> int:
+        """How many [N, K] matrices one solve_batch takes within batch_bytes."""
+        g = self.group_size
+        return gptq_solve.batch_size(N, pad_in_features(K, g), g, self.batch_bytes)
+
+    def hessian_sum(self, x: torch.Tensor) -> HessianSum:
+        """Σ XᵀX of inputs x [rows, K], zero-padded as a task pads them: one sum that several matrices share."""
+        K = x.shape[-1]
+        total = HessianSum(pad_in_features(K, self.group_size), self.device)
+        total.add(_pad_columns(x.reshape(-1, K).to(self.device), total.xtx.shape[0]))
+        return total
+
+    def hessians(self, sources: Iterable[torch.Tensor | HessianSum], count: int, K: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+        """The Hessians 2/n·XᵀX of `count` matrices of K in_features stacked [count, K_pad, K_pad], each summed
+        in its own slice (no copy of them all beside the stack), and their rows. A source is a matrix's inputs
+        x [rows, K] or a HessianSum it shares; `sources` may be a generator: one source is held at a time."""
+        K_pad = pad_in_features(K, self.group_size)
+        H = torch.zeros((count, K_pad, K_pad), dtype=torch.float32, device=self.device)
+        rows = []
+        for b, source in enumerate(sources):
+            if isinstance(source, HessianSum):
+                H[b].copy_(source.xtx)
+                n = source.rows
+            else:
+                total = HessianSum(K_pad, self.device, out=H[b])
+                total.add(_pad_columns(source.reshape(-1, K).to(self.device), K_pad))
+                n = total.rows
+            H[b].mul_(2.0 / n)  # HessianSum.matrix(), in place
+            rows.append(n)
+        if len(rows) != count:
+            raise ValueError(f"hessians: {len(rows)} sources for {count} matrices")
+        return H, rows
+
+    def solve_batch(self, weights: torch.Tensor, hessians: torch.Tensor, rows: list[int]) -> list[QuantResult]:
+        """GPTQ of weights [B, N, K] with `hessians` (consumed) as hessians() gives them: each result is what a
+        task of that weight and Hessian gives (to float rounding)."""
+        K = weights.shape[-1]
+        K_pad = hessians.shape[-1]
+        w = torch.nn.functional.pad(weights.to(self.device, torch.float32), (0, K_pad - K))
+        codes, scales, zeros, _damps = gptq_solve.solve_batched(w, hessians, self.bits, self.group_size, self.sym,
+                                                                self.damp, max_bytes=self.batch_bytes)
+        return [self.own_result(codes[b], scales[b], zeros[b], K, rows[b]) for b in range(len(rows))]
+
+    def own_result(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, K: int,
+                   rows: int) -> QuantResult:
+        """The result of the own solver's output for one matrix of K in_features (padded to K_pad in codes)."""
+        return QuantResult(codes[:, :K].contiguous(), zeros.t().round().clamp(0, MAXQ).to(torch.uint8),
+                           scales.t().to(torch.float16).clamp(min=torch.finfo(torch.float16).tiny),
+                           self.group_size, "gptq", rows)
+
+
+def _pad_columns(t: torch.Tensor, K_pad: int) -> torch.Tensor:
+    """t [..., K] zero-padded to K_pad columns (see the module doc)."""
+    K = t.shape[-1]
+    return torch.nn.functional.pad(t, (0, K_pad - K)) if K_pad > K else t
+
 
 class _Task:
     """A weight matrix and its inputs on the solver's device, both zero-padded to K_pad (see the module doc)."""
@@ -149,8 +226,7 @@ class _Task:
         self.K_pad = pad_in_features(self.K, solver.group_size)
 
     def padded(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.solver.device)
-        return torch.nn.functional.pad(t, (0, self.K_pad - self.K)) if self.K_pad > self.K else t
+        return _pad_columns(t.to(self.solver.device), self.K_pad)
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate inputs x [rows, K] (any float dtype) into the Hessian."""
@@ -219,9 +295,7 @@ class OwnGPTQTask(_Task):
         codes, scales, zeros, _damp = gptq_solve.solve(self._weight, self._hessian.matrix(), s.bits, s.group_size,
                                                        s.sym, s.damp)
         self._weight = None
-        return QuantResult(codes[:, : self.K].contiguous(), zeros.t().round().clamp(0, MAXQ).to(torch.uint8),
-                           scales.t().to(torch.float16).clamp(min=torch.finfo(torch.float16).tiny),
-                           s.group_size, "gptq", self._hessian.rows)
+        return s.own_result(codes, scales, zeros, self.K, self._hessian.rows)
 
 
 def rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> QuantResult:

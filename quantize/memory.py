@@ -84,7 +84,8 @@ class Sizes:
     shell: int  # the thinker's encoders and embeddings
     head: int  # the thinker's final norm and lm_head
     speech: int  # the talker (with its code predictor), and code2wav when it is calibrated
-    solver: int  # the largest GPTQ working set of one matrix (fp32 weight copies, Hessian and its inverse)
+    solver: int  # the largest GPTQ working set: of one matrix (fp32 weight copies, Hessian and its inverse), or of
+    # one batch of experts (gptq_solve.solve_batched within gptq_solve.BATCH_BYTES)
     acts: dict  # stack -> its stored calls (calibration + held-out), one layer's worth
     capture: dict  # stack -> one stage's captured inputs at the widest input
     encode: int  # the largest transient of one conversation's encoder pass
@@ -119,6 +120,7 @@ def measure(skeleton, config, samples, stacks: set[str], comps: set[str], target
         for _suffix, k, n, _bias in t.linears()[:3]:
             kp = -(-k // 128) * 128
             solver = max(solver, 4 * (4 * n * kp + 3 * kp * kp))
+        solver = max(solver, _expert_batches(t))
     tc = config.thinker_config
     text, vision, audio = tc.text_config, tc.vision_config, tc.audio_config
     talker = config.talker_config.text_config
@@ -154,6 +156,19 @@ def measure(skeleton, config, samples, stacks: set[str], comps: set[str], target
     return Sizes(layer, staging, layers, shell, head, speech, solver, {s: a for s, a in acts.items() if s in stacks},
                  {s: c for s, c in capture.items() if s in stacks}, encode, refs, logits, encoded, per_reply,
                  speech_work, n_speech, speech_acts)
+
+
+def _expert_batches(t) -> int:
+    """The own solver's batch of a fused experts target at its largest (quantize/sequential.py): experts' gate
+    and up stacked [2I, H], or their down [H, I], as many as gptq_solve.BATCH_BYTES takes. Counted whichever
+    solver runs: GPTQModel's may not be known here, and it is at most that budget."""
+    from .gptq_solve import batch_bytes
+
+    if t.kind != "experts":
+        return 0
+    # K rounded up as above; 32, the smallest group size the INT4 kernels take, has the most scales
+    return max(batch_bytes(n, -(-k // 128) * 128, 32, t.num_experts)
+               for n, k in ((2 * t.intermediate, t.in_features), (t.out_features, t.intermediate)))
 
 
 def encoder_working_set(config, patches: int, tokens: int) -> int:

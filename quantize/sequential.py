@@ -15,7 +15,10 @@ Experts: each routed expert of a fused experts module gets its own Hessian from 
 router (running on the quantized upstream) sends to it. An expert with fewer than `min_expert_tokens` tokens
 is "starved": by default it is calibrated on every token of the layer ("all-tokens": the inputs it would see
 if the router picked it, rather than a rank-deficient Hessian of a handful of tokens), or with
-starved="rtn" it is rounded to nearest. The report lists each starved expert with its token count.
+starved="rtn" it is rounded to nearest. The report lists each starved expert with its token count. On the own
+solver the GPTQ experts of a layer are solved in batches (gptq_solve.solve_batched, within the solver's
+batch_bytes: one expert at a time leaves a GPU idle on kernel launches), an expert's gate and up stacked as one
+matrix; the result is what one expert at a time gives, to float rounding, recorded and stored in the same order.
 """
 
 from __future__ import annotations
@@ -84,6 +87,47 @@ class StackResult:
                                  t["modules"], t["rtn_modules"], t["calib_rows"])
                  for name, t in state["types"].items()}
         return cls({}, list(state["quantized"]), types, list(state["starved"]))
+
+
+def _routed(calls: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """All tokens an experts module saw over the calls, with the experts each was routed to."""
+    if not calls:
+        return None, None
+    return torch.cat([h for h, _ in calls]), torch.cat([i for _, i in calls])
+
+
+class _Routing:
+    """The tokens a fused experts module saw (calibration and held-out) and what each expert is calibrated on:
+    the tokens routed to it, every token of the layer for a starved expert calibrated on all ("all-tokens"), or
+    nothing (RTN: a starved expert with starved="rtn", or no calibration call at all). Inputs are selected when
+    asked for, one expert at a time: all experts' copies at once would be top_k times the layer's tokens."""
+
+    def __init__(self, calls: list, calls_heldout: list, num_experts: int, opts: StackOptions):
+        self.x_all, self.index = _routed(calls)
+        self.xh_all, self.index_h = _routed(calls_heldout)
+        self.opts = opts
+        self.experts = range(num_experts)
+        self.tokens = [int((self.index == e).any(-1).sum()) if self.index is not None else 0 for e in self.experts]
+
+    def starved(self, e: int) -> bool:
+        return self.tokens[e] < self.opts.min_expert_tokens
+
+    def calibrated(self, e: int) -> bool:
+        return self.x_all is not None and (not self.starved(e) or self.opts.starved == "all-tokens")
+
+    def rows(self, e: int) -> int:
+        """The rows of expert e's Hessian (0: RTN)."""
+        if not self.calibrated(e):
+            return 0
+        return self.x_all.shape[0] if self.starved(e) else self.tokens[e]
+
+    def inputs(self, e: int) -> torch.Tensor | None:
+        if not self.calibrated(e):
+            return None
+        return self.x_all if self.starved(e) else self.x_all[(self.index == e).any(-1)]
+
+    def heldout(self, e: int) -> torch.Tensor | None:
+        return self.xh_all[(self.index_h == e).any(-1)] if self.xh_all is not None else None
 
 
 class StackQuantizer:
@@ -231,36 +275,27 @@ class StackQuantizer:
 
     # ------------------------------------------------------------------ fused experts
 
-    @staticmethod
-    def _routed(calls: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """All tokens an experts module saw over the calls, with the experts each was routed to."""
-        if not calls:
-            return None, None
-        return torch.cat([h for h, _ in calls]), torch.cat([i for _, i in calls])
-
     def _experts(self, module, m: A.Member, calls: list, calls_heldout: list, bar) -> None:
-        x_all, index = self._routed(calls)
-        xh_all, index_h = self._routed(calls_heldout)
-        holder = None  # the all-tokens Hessian of this layer, shared by its starved experts
-        if m.kind == "experts_gate_up":
+        routing = _Routing(calls, calls_heldout, module.gate_up_proj.shape[0], self.opts)
+        gate_up = m.kind == "experts_gate_up"
+        if gate_up:
             self.result.quantized.append(m.path)
-        for e in range(module.gate_up_proj.shape[0]):
-            count = int((index == e).any(-1).sum()) if index is not None else 0
-            starved = count < self.opts.min_expert_tokens
-            use_gptq = x_all is not None and (not starved or self.opts.starved == "all-tokens")
-            # Tokens routed to the expert, or every token of the layer for a starved expert calibrated on all.
-            x = (x_all if starved else x_all[(index == e).any(-1)]) if use_gptq else None
-            xh = xh_all[(index_h == e).any(-1)] if xh_all is not None else None
-            if m.kind == "experts_gate_up":
-                if starved:
-                    self.result.starved.append({
-                        "module": m.path, "expert": e, "tokens": count,
-                        "handled": "GPTQ on all calibration tokens of the layer" if use_gptq else "RTN"})
-                if use_gptq and starved and holder is None:
+            self.result.starved += [{
+                "module": m.path, "expert": e, "tokens": routing.tokens[e],
+                "handled": "GPTQ on all calibration tokens of the layer" if routing.calibrated(e) else "RTN"}
+                for e in routing.experts if routing.starved(e)]
+        if self.solver.batched:
+            (self._gate_up_batched if gate_up else self._down_batched)(module, m, routing, bar)
+            return
+        holder = None  # the all-tokens Hessian of this layer, shared by its starved experts
+        for e in routing.experts:
+            x, xh = routing.inputs(e), routing.heldout(e)
+            if gate_up:
+                if x is not None and routing.starved(e) and holder is None:
                     holder = self.solver.task(A.expert_weight(module, e, "gate_proj"))
                     with self._stage_timer("hessians"):
-                        holder.add(x_all)
-                self._expert_gate_up(module, m, e, x, xh, holder if starved else None)
+                        holder.add(routing.x_all)
+                self._expert_gate_up(module, m, e, x, xh, holder if routing.starved(e) else None)
             else:
                 self._expert_down(module, m, e, x, xh)
             bar.update(1)
@@ -281,36 +316,109 @@ class StackQuantizer:
             with self._stage_timer("solves"):
                 results = gate_task.solve(), up_task.solve()
         else:
+            results = self._rtn(gate_w), self._rtn(up_w)
+        self._write_gate_up(module, m, e, (gate_w, up_w), results, xh, x.shape[0] if x is not None else 0)
+
+    def _expert_down(self, module, m: A.Member, e: int, x, xh) -> None:
+        """down_proj of expert e, calibrated on what its (already quantized) gate and up produce for x."""
+        down_w = A.expert_weight(module, e, "down_proj").float()
+        if x is not None and x.shape[0]:
+            task = self.solver.task(down_w)
+            with self._stage_timer("hessians"):
+                task.add(self._intermediate(module, e, x))
             with self._stage_timer("solves"):
-                results = (rtn(gate_w, self.opts.bits, self.opts.group_size, self.opts.sym),
-                           rtn(up_w, self.opts.bits, self.opts.group_size, self.opts.sym))
-        rows = x.shape[0] if x is not None else 0
-        for proj, w, r in (("gate_proj", gate_w, results[0]), ("up_proj", up_w, results[1])):
+                result = task.solve()
+        else:
+            result = self._rtn(down_w)
+        self._write_down(module, m, e, down_w, result, xh, x.shape[0] if x is not None else 0)
+
+    def _gate_up_batched(self, module, m: A.Member, routing: _Routing, bar) -> None:
+        """_expert_gate_up for every expert, the GPTQ ones solved a batch at a time: an expert's gate and up
+        stacked as one [2I, H] matrix (one Hessian; GPTQ solves each row on its own)."""
+        _experts, two_i, hidden = module.gate_up_proj.shape
+        shared = None  # the all-tokens Hessian sum of this layer, for its starved experts
+        if any(routing.starved(e) and routing.rows(e) for e in routing.experts):
+            with self._stage_timer("hessians"):
+                shared = self.solver.hessian_sum(routing.x_all)
+
+        def solve(batch: list[int]) -> list[tuple[QuantResult, QuantResult]]:
+            with self._stage_timer("hessians"):
+                sources = (shared if routing.starved(e) else routing.inputs(e) for e in batch)
+                H, rows = self.solver.hessians(sources, len(batch), hidden)
+            with self._stage_timer("solves"):
+                results = self.solver.solve_batch(module.gate_up_proj.detach()[batch], H, rows)
+            return [r.split_rows(two_i // 2) for r in results]
+
+        def write(e: int, results: tuple[QuantResult, QuantResult] | None) -> None:
+            weights = A.expert_weight(module, e, "gate_proj").float(), A.expert_weight(module, e, "up_proj").float()
+            if results is None:
+                results = self._rtn(weights[0]), self._rtn(weights[1])
+            self._write_gate_up(module, m, e, weights, results, routing.heldout(e), routing.rows(e))
+
+        self._solve_in_order(routing, (two_i, hidden), solve, write, bar)
+
+    def _down_batched(self, module, m: A.Member, routing: _Routing, bar) -> None:
+        """_expert_down for every expert, the GPTQ ones solved a batch at a time."""
+        _experts, hidden, inter = module.down_proj.shape
+
+        def solve(batch: list[int]) -> list[QuantResult]:
+            with self._stage_timer("hessians"):
+                sources = (self._intermediate(module, e, routing.inputs(e)) for e in batch)
+                H, rows = self.solver.hessians(sources, len(batch), inter)
+            with self._stage_timer("solves"):
+                return self.solver.solve_batch(module.down_proj.detach()[batch], H, rows)
+
+        def write(e: int, result: QuantResult | None) -> None:
+            down_w = A.expert_weight(module, e, "down_proj").float()
+            result = self._rtn(down_w) if result is None else result
+            self._write_down(module, m, e, down_w, result, routing.heldout(e), routing.rows(e))
+
+        self._solve_in_order(routing, (hidden, inter), solve, write, bar)
+
+    def _solve_in_order(self, routing: _Routing, shape: tuple[int, int], solve, write, bar) -> None:
+        """solve() the GPTQ-calibrated experts in batches of [N, K] matrices within the solver's budget, and
+        write() every expert in order (the report's sums and the stored tensors come out as one at a time gives
+        them), each batch's as soon as it is solved, so no more than one batch's results are held; an expert
+        that is not solved is written with None (RTN)."""
+        experts = [e for e in routing.experts if routing.rows(e)]
+        size = self.solver.batch_size(*shape)
+        remaining = iter(routing.experts)
+        for start in range(0, len(experts), size):
+            batch = experts[start:start + size]
+            results = dict(zip(batch, solve(batch), strict=True))
+            for e in remaining:
+                write(e, results.pop(e, None))
+                bar.update(1)
+                if e == batch[-1]:
+                    break
+        for e in remaining:
+            write(e, None)
+            bar.update(1)
+
+    @staticmethod
+    def _intermediate(module, e: int, x):
+        """down_proj's inputs of expert e for tokens x, from its (already quantized) gate and up."""
+        gate_q = A.expert_weight(module, e, "gate_proj")
+        up_q = A.expert_weight(module, e, "up_proj")
+        return A.expert_intermediate(module, x.to(gate_q.device), gate_q, up_q)
+
+    def _rtn(self, weight) -> QuantResult:
+        with self._stage_timer("solves"):
+            return rtn(weight, self.opts.bits, self.opts.group_size, self.opts.sym)
+
+    def _write_gate_up(self, module, m: A.Member, e: int, weights: tuple, results: tuple, xh, rows: int) -> None:
+        """Record gate_proj and up_proj of expert e, write them back and store them."""
+        for proj, w, r in zip(("gate_proj", "up_proj"), weights, results, strict=True):
             self._record(A.layer_type(self.stack.label, m.name, proj), w, r, xh, rows)
             with self._stage_timer("solves"):
                 A.set_expert_weight(module, e, proj, r.dequantize())
                 self._store(f"{m.path}.{e}.{proj}", r, None)
 
-    def _expert_down(self, module, m: A.Member, e: int, x, xh) -> None:
-        """down_proj of expert e, calibrated on what its (already quantized) gate and up produce for x."""
-        gate_q = A.expert_weight(module, e, "gate_proj")
-        up_q = A.expert_weight(module, e, "up_proj")
-        down_w = A.expert_weight(module, e, "down_proj").float()
-        device = gate_q.device
-        if x is not None and x.shape[0]:
-            task = self.solver.task(down_w)
-            with self._stage_timer("hessians"):
-                task.add(A.expert_intermediate(module, x.to(device), gate_q, up_q))
-            with self._stage_timer("solves"):
-                result = task.solve()
-        else:
-            with self._stage_timer("solves"):
-                result = rtn(down_w, self.opts.bits, self.opts.group_size, self.opts.sym)
+    def _write_down(self, module, m: A.Member, e: int, down_w, result: QuantResult, xh, rows: int) -> None:
+        """Record down_proj of expert e on its held-out tokens' intermediates, write it back and store it."""
         with self._stage_timer("metrics"):
-            hh = A.expert_intermediate(module, xh.to(device), gate_q, up_q) if xh is not None and xh.shape[0] \
-                else None
-        self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, result, hh,
-                     x.shape[0] if x is not None else 0)
+            hh = self._intermediate(module, e, xh) if xh is not None and xh.shape[0] else None
+        self._record(A.layer_type(self.stack.label, m.name, "down_proj"), down_w, result, hh, rows)
         with self._stage_timer("solves"):
             A.set_expert_weight(module, e, "down_proj", result.dequantize())
             self._store(f"{m.path}.{e}.down_proj", result, None)

@@ -27,6 +27,7 @@ from quantize.activations import Placement, StackData
 from quantize.calibration import Conversation, builtin_conversations, to_samples
 from quantize.capture import SpeechSettings, SpeechStreaming, capture_speech_pass
 from quantize.gate import LayerGate
+from quantize.gptq_solve import BATCH_BYTES, batch_size, working_bytes
 from quantize.memory import (
     DEVICE_MARGIN,
     THREAD_WORKSPACE,
@@ -420,3 +421,25 @@ def test_the_speech_pass_plan_at_the_real_widths(real_config):
     video_sizes, long = plan(videos)
     assert video_sizes.speech_work == max(6000 * thinker, 24 * 23520 * 1152 + 24 * 6000 * 2048)  # or the encoders
     assert 1 <= long.speech_wave < default.speech_wave and max(long.gpu.values()) <= 16 << 30
+
+
+def test_the_gptq_stage_counts_a_batch_of_experts(real_config):
+    """The own solver solves a MoE layer's experts in batches within gptq_solve.BATCH_BYTES (quantize/sequential.py):
+    the plan's GPTQ stage counts the largest batch (9 thinker experts' gate and up stacked [1536, 2048], or 102
+    talker experts' down [1024, 384]: each just under the budget), more than any one matrix takes; a stack without
+    experts counts its largest matrix as before."""
+    config = load_config(real_config)
+    model = build_skeleton(config)
+    targets = find_targets(model, QuantSpec())
+    stacks = {t.component for t in targets}
+    samples = [_Sample(f"c{i}", 300, heldout=i >= 6) for i in range(8)]
+    sizes = measure(model, config, samples, stacks, stacks, targets, SpeechSettings())
+    assert batch_size(1536, 2048, 32, BATCH_BYTES) == 9 and batch_size(1024, 384, 32, BATCH_BYTES) == 102
+    assert sizes.solver == 102 * working_bytes(1024, 384, 32) <= BATCH_BYTES
+    assert sizes.solver > 9 * working_bytes(1536, 2048, 32) > 0.99 * BATCH_BYTES
+    plan = make_plan(sizes, "cuda", 16 << 30, 24 << 30, 3 << 30, stacks, True, True)
+    assert plan.activations == "device"
+    acts = sum(sizes.acts.values()) + sizes.acts["thinker_text"] + sizes.capture["thinker_text"]
+    assert plan.gpu["gptq_thinker_text"] == 2 * sizes.layer["thinker_text"] + sizes.solver + acts + DEVICE_MARGIN
+    vision = measure(model, config, samples, {"vision_encoder"}, stacks, targets, SpeechSettings())
+    assert vision.solver == 4 * (4 * 4304 * 1152 + 3 * 1152 * 1152) < sizes.solver  # its MLP's fc1, 1152 -> 4304
