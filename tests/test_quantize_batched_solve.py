@@ -5,13 +5,10 @@ the per-expert path writes, starved and token-less experts included. CPU, float3
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from allocations import Allocations
 
 from orin.errors import InputError
 from orin.layout import Target
@@ -99,42 +96,6 @@ def test_a_hessian_no_damping_makes_definite_fails_clearly():
         gptq_solve.solve_batched(weights, H, 4, 32, True, 0.05)
 
 
-class _Peak(TorchDispatchMode):
-    """The most bytes the tensors that ops create hold at once: a storage counted once, until the last tensor
-    on it dies (as tests/test_quantize_memory.py's Allocations count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
-        self.now = self.peak = 0
-
-    def _drop(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if not entry[1]:
-            self.now -= entry[0]
-            del self.live[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key in inputs and key not in self.live:
-                continue  # in place on, or a view of, a tensor made outside
-            if key in self.live:
-                self.live[key][1] += 1
-            else:
-                self.live[key] = [t.untyped_storage().nbytes(), 1]
-                self.now += self.live[key][0]
-                self.peak = max(self.peak, self.now)
-            weakref.finalize(t, self._drop, key)
-        return out
-
-
 @pytest.mark.parametrize(("N", "K"), [(96, 64), (32, 256)])
 def test_the_working_set_is_what_the_plan_counts(N, K):
     """A batch's peak beside its inputs (the weights as given and the Hessians are the caller's: working_bytes
@@ -143,7 +104,8 @@ def test_the_working_set_is_what_the_plan_counts(N, K):
     weights, H = _batch(B, N, K, seed=3)
     limit = 3 * gptq_solve.working_bytes(N, K, g)
     given = weights.nbytes + H.nbytes + B * N * K * 2
-    with _Peak() as peak:
+    peak = Allocations()
+    with peak.mode():
         gptq_solve.solve_batched(weights, H, 4, g, True, 0.05, max_bytes=limit)
     assert gptq_solve.batch_size(N, K, g, limit) == 3
     assert 0 < peak.peak + given * 3 // B <= limit
