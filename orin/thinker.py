@@ -3,7 +3,6 @@ positions, the prefill and the decode steps (orin.decode), sampling, and detoken
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -12,12 +11,14 @@ from .decode import Decoders
 from .errors import ModelError
 
 AUDIO_TOKEN_CACHE_BYTES = 32 << 20  # ~100 six-second turns of a conversation at the real encoder's width
-KEY_TAIL_FRAMES = 3  # an STFT window (400 samples, centred) reaches 200 samples, 1.25 hops, past the last frame
 
 
 class AudioTokenCache:
-    """The audio encoder's tokens of recent audios, keyed by the bytes of their features (length included),
-    least recently used dropped first past AUDIO_TOKEN_CACHE_BYTES."""
+    """The audio encoder's tokens of recent audios, keyed by a digest of their samples (Prompt.audio_keys), least
+    recently used dropped first past AUDIO_TOKEN_CACHE_BYTES. The same audio in another turn's batch finds its
+    tokens; they were computed from its features in that batch, which differ in the last frames (the batch's
+    padding reaches the STFT windows past an audio's end) and in rounding on a GPU: the encoder's result up to
+    that."""
 
     def __init__(self, limit: int = AUDIO_TOKEN_CACHE_BYTES):
         self.limit = limit
@@ -25,16 +26,6 @@ class AudioTokenCache:
         self._bytes = 0
         self.hits = 0
         self.last: dict = {}  # the last call's host seconds (Thinker.encode_audio)
-
-    @staticmethod
-    def keys(feats, lengths: tuple[int, ...]) -> list[bytes]:
-        """One key per audio of a padded [n, mel, frames] batch: a digest of its frames but the last
-        KEY_TAIL_FRAMES and of its length (one copy to the host for all). The batch's padding shapes the STFT
-        windows that reach past an audio's end, so its last frames differ from batch to batch; the same audio
-        in another turn's batch must find its tokens."""
-        host = feats.detach().cpu().numpy()
-        return [hashlib.blake2b(host[i, :, :max(0, n - KEY_TAIL_FRAMES)].tobytes(), digest_size=20,
-                                person=str(n).encode()[:16]).digest() for i, n in enumerate(lengths)]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._items
@@ -73,7 +64,7 @@ class Thinker:
         from the host (prompt.audio_lengths), so planning the encoder costs no device sync. `graph`: replayed
         from a CUDA graph per input shape (orin.encoder_graphs; the caller's word that the weights stay put).
 
-        Each audio's tokens are kept (AudioTokenCache, keyed by its features) and only the audios not seen
+        Each audio's tokens are kept (AudioTokenCache, keyed by its samples) and only the audios not seen
         before are encoded, each on its own: a Realtime conversation's prompt holds every turn's audio, and
         re-encoding all of it each turn cost more than the new turn's prefill. The encoder treats each audio on
         its own (windows within an audio), so the tokens are those of a batch's pass up to its GEMMs' rounding."""
@@ -86,7 +77,7 @@ class Thinker:
             return self.encoder_graphs.run(("audio", tuple(feats.shape), feats.dtype, lengths), tower, (feats,),
                                            lambda f: tower(f, lengths), graph, keep=plan)
         start = time.perf_counter()
-        keys = self.audio_tokens.keys(feats, lengths)
+        keys = list(prompt.audio_keys)
         missing = [i for i, key in enumerate(keys) if key not in self.audio_tokens]
         keyed = time.perf_counter()
         fresh = {}
@@ -99,7 +90,7 @@ class Thinker:
         pieces = [fresh[key] if key in fresh else self.audio_tokens.get(key) for key in keys]
         for key, piece in fresh.items():
             self.audio_tokens.put(key, piece)
-        # host seconds: the keys (one copy of the features to the host, which waits for them) and the encoder's
+        # host seconds: the cache lookups and the encoder's
         # launches (the bench's realtime case reports them)
         self.audio_tokens.last = {"key_s": keyed - start, "encode_s": time.perf_counter() - keyed,
                                   "audios": len(keys), "encoded": len(missing)}

@@ -132,8 +132,8 @@ def test_the_server_captures_between_requests(server, engine, monkeypatch):
 
 
 def test_a_conversations_earlier_audio_is_not_encoded_again(engine):
-    """Each turn's prompt holds every earlier turn's audio: only the new audio goes through the encoder, and the
-    tokens are those of encoding all of them at once."""
+    """Each turn's prompt holds every earlier turn's audio: only the new audio goes through the encoder (found by
+    its samples, whatever its features' last bits), and the tokens are those of encoding all of them at once."""
     from orin.contract import GenerationRequest
     from orin.media import synth_speechlike
 
@@ -152,6 +152,8 @@ def test_a_conversations_earlier_audio_is_not_encoded_again(engine):
             one, two, three = prompt_of((1.0,)), prompt_of((1.0, 1.5)), prompt_of((1.0, 1.5, 0.7))
             thinker.encode_audio(one.inputs, one)
             hits = thinker.audio_tokens.hits
+            # the same samples in another batch: on a GPU the features round differently with the batch's shape
+            two.inputs["input_features"][0] += 1e-6
             first = thinker.encode_audio(two.inputs, two)
             # found though its last frames differ: alone it was its batch's longest, padding shaped none of them
             assert thinker.audio_tokens.hits == hits + 1 and calls[-1] == (two.audio_lengths[1],)
@@ -159,6 +161,7 @@ def test_a_conversations_earlier_audio_is_not_encoded_again(engine):
             both = thinker.encode_audio(three.inputs, three)
             assert thinker.audio_tokens.hits == hits + 2 and calls[-1] == (three.audio_lengths[2],)
             assert torch.equal(both[:first.shape[0]], first)
+            assert len(set(three.audio_keys)) == 3 and three.audio_keys[:2] == two.audio_keys
             whole = real(three.inputs["input_features"], three.audio_lengths)  # one pass over the three
             assert torch.allclose(both, whole, atol=1e-5, rtol=1e-4)
     finally:

@@ -160,6 +160,21 @@ def test_silence_and_several_audios_in_one_prompt(hf, mine, tiny_model_dir):
     assert got["feature_attention_mask"].sum(-1).tolist() == [250, 50, 731]
 
 
+def test_audio_keys_digest_the_samples_in_the_features_order(mine):
+    """Asked for, each audio's key (a digest of its samples, what the engine keeps its tokens under) in the order
+    of the features; not asked for, the dict holds only the model's inputs."""
+    from orin.inputs.audio_features import waveform_key
+
+    a, b = speech(1.0, seed=1), speech(2.0, seed=2)
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": a}, {"type": "audio", "audio": b}]}]
+    assert "audio_keys" not in mine.prepare(messages)
+    keys = mine.prepare(messages, audio_keys=True)["audio_keys"]
+    assert keys == (waveform_key(a), waveform_key(b)) and keys[0] != keys[1]
+    swapped = [{"role": "user", "content": [{"type": "audio", "audio": b}, {"type": "audio", "audio": a}]}]
+    assert mine.prepare(swapped, audio_keys=True)["audio_keys"] == keys[::-1]
+    assert waveform_key(a[:-1]) != keys[0]
+
+
 def test_images_and_audio_over_several_turns(hf, mine, tiny_model_dir):
     messages = [
         {"role": "system", "content": "Describe what you see and hear."},

@@ -19,6 +19,7 @@ differently from the host's: a few values in 10^5 differ from the host's by up t
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -139,6 +140,15 @@ class LogMel:
         mask = (torch.arange(n_frames) < torch.tensor(frames)[:, None]).to(torch.int32)
         tokens = tuple(audio_token_count(f, s.n_window) for f in frames)
         return AudioFeatures(features, mask, frames, tokens)
+
+
+def waveform_key(audio) -> bytes:
+    """A digest of one audio's samples (as float32) and their count: what the engine keeps an audio's encoder
+    tokens under between requests. Not of its features: on a GPU the STFT and the mel projection of a batch
+    round differently with the batch's shape, so the same audio in another turn's batch gave other feature bits
+    (run 24r re-encoded an earlier turn's audio on some turns)."""
+    wave = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
+    return hashlib.blake2b(wave.tobytes(), digest_size=20, person=str(wave.size).encode()[:16]).digest()
 
 
 def _mono(audio, index: int, s: AudioSettings) -> np.ndarray:

@@ -25,7 +25,7 @@ import torch
 
 from ..audio_format import INPUT_SAMPLE_RATE
 from ..errors import InputError, ModelError
-from .audio_features import AudioSettings, LogMel
+from .audio_features import AudioSettings, LogMel, waveform_key
 from .chat_template import ChatTemplate
 from .checkpoint_files import (
     DEFAULT_POSITION_ID_PER_SECONDS,
@@ -97,19 +97,22 @@ class Processor:
         return rendered if batched else rendered[0]
 
     def prepare(self, messages: Sequence[Mapping], *, device: str | torch.device | None = None,
-                video_dtype: torch.dtype = torch.float32) -> dict:
+                video_dtype: torch.dtype = torch.float32, audio_keys: bool = False) -> dict:
         """The model's inputs for a request's messages, with the assistant's turn opened. `video_dtype`: of
-        pixel_values_videos (orin.inputs.video_patches: the encoder's own dtype loses nothing)."""
+        pixel_values_videos (orin.inputs.video_patches: the encoder's own dtype loses nothing); `audio_keys`: as
+        for __call__."""
         conv = split_media(messages)
         text = self.apply_chat_template(conv.messages, add_generation_prompt=True)
         return self(text=[text], images=conv.images or None, audio=conv.audios or None, videos=conv.videos or None,
-                    device=device, video_dtype=video_dtype)
+                    device=device, video_dtype=video_dtype, audio_keys=audio_keys)
 
     def __call__(self, text=None, images=None, audio=None, videos=None, return_tensors: str = "pt",
                  padding: bool = True, device: str | torch.device | None = None,
-                 video_dtype: torch.dtype = torch.float32) -> dict:
+                 video_dtype: torch.dtype = torch.float32, audio_keys: bool = False) -> dict:
         """The tensors of one rendered prompt whose placeholders stand for `images`, `audio` and `videos`
-        (orin.video.Video; with its `audio`, a video with its audio), in order."""
+        (orin.video.Video; with its `audio`, a video with its audio), in order. With `audio_keys`, also
+        "audio_keys": a digest of each audio's samples, in the features' order (orin.inputs.audio_features.
+        waveform_key; not a model input: take it out before passing the rest to transformers)."""
         if isinstance(text, (list, tuple)):
             if len(text) != 1:
                 raise InputError(f"the processor takes one prompt at a time, not {len(text)}")
@@ -145,6 +148,8 @@ class Processor:
             out.update(input_features=features.input_features,
                        feature_attention_mask=features.feature_attention_mask)
             counts = features.token_counts
+            if audio_keys:
+                out["audio_keys"] = tuple(waveform_key(w) for w in waves)
             expansions[self.audio_token_id] = tuple(n for n, o in zip(counts, owners, strict=True) if o is None)
         if videos:
             vp = self.video_patcher(videos, device, video_dtype)
