@@ -45,6 +45,11 @@ PREFILL_CAPTURE_WARMUPS = 1
 _ROW_DIM = {"x": 0, "cos": 0, "sin": 0, "valid": 0, "ds": 1, "pos": 0, "mask": 2}
 # The last element of a continued prefill's bucket key (StaticDecoder._prefill_after).
 AFTER = "after"
+# A continued prefill replays a graph only where its mask (one row per query head of a KV group and new row, one
+# column per cache position) has at most this many elements: SDPA turns it into a bias of the activations' dtype,
+# kept in the graphs' pool. A voice turn's ~600 rows over a 3,072-position cache are 15.7M; a long new message
+# over a long conversation goes the eager way, whose flash kernel needs no mask.
+AFTER_MASK_MAX = 1 << 25
 # A conversation's next turn (GenerationRequest.continues) reads its prompt's prefix from the cache where the last
 # prompt left it: at least this many rows, or it is prefilled whole.
 REUSE_MIN_ROWS = 64
@@ -306,7 +311,8 @@ class StaticDecoder:
         self._growth, self._last_rows = (T - self._last_rows if 0 < self._last_rows < T else 0), T
         x = embeds[shared:]
         Rb = prefill_bucket(R)
-        graph = self._graphs_for(x) and shared + Rb <= self.max_len
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        graph = self._graphs_for(x) and shared + Rb <= self.max_len and rep * Rb * self.max_len <= AFTER_MASK_MAX
         self._need = max(need, shared + Rb) if graph else need
         cos, sin = m.rotary_emb(x.unsqueeze(0), position_ids[..., shared:])
         rest = None  # the deepstack rows after the shared ones, counted from the first row prefilled

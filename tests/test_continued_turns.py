@@ -132,6 +132,21 @@ def test_a_turns_new_rows_replay_their_own_graph_once_captured(engine, decoder):
     _assert_same(got, want)
 
 
+def test_a_turn_whose_mask_would_be_too_large_prefills_its_rows_eagerly(engine, decoder, monkeypatch):
+    """A continued prefill's graph holds a mask of (query heads of a group x rows x cache positions): past
+    AFTER_MASK_MAX the new rows go the eager way (no mask), with the same results."""
+    import orin.decode as D
+
+    one, two = _turns(engine, 150, 90, seed=4)
+    want = _prefill(decoder, two, continues=False)
+    decoder.release()
+    monkeypatch.setattr(D, "AFTER_MASK_MAX", 0)
+    _prefill(decoder, one, continues=True, steps=2)
+    got = _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused"
+    _assert_same(got, want)
+
+
 def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
     """Two Realtime-like turns through the engine: the second, continuing the first, gives the same text and
     speech as the same request prefilled whole, and reads its shared rows (the timeline says so)."""
