@@ -298,10 +298,7 @@ class Engine:
                         image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
                         state.mark("image_encoded")
                     if prompt.has_video:
-                        video_feats = self.thinker.encode_video(inputs, prompt)
-                        # a two-minute clip's pixel values are ~0.6 GB: gone before the prefill needs the room
-                        inputs.pop("pixel_values_videos")
-                        prompt.inputs.pop("pixel_values_videos", None)
+                        video_feats = self.thinker.encode_video(prompt)
                         state.mark("video_encoded")
             self._check(state)
         state.mark("encoded")

@@ -228,15 +228,20 @@ def image_grid(size: int, patch: int, merge: int) -> int:
     return (side // patch) ** 2
 
 
-def video_chunks(grids) -> list[tuple[int, int, int]]:
-    """The videos' (t, h, w) grids cut along t into vision-encoder passes of at most C.VIDEO_ENCODE_PATCHES
-    patches (one grid at least)."""
-    max_patches = C.VIDEO_ENCODE_PATCHES
+def video_passes(grids) -> list[tuple[int, int, int]]:
+    """The vision-encoder passes over the videos of (t, h, w) `grids`: (video, first temporal grid, last + 1),
+    at most C.VIDEO_ENCODE_PATCHES patches each (one grid at least)."""
     out = []
-    for t, h, w in grids:
-        step = max(1, max_patches // (h * w))
-        out += [(min(step, t - first), h, w) for first in range(0, t, step)]
+    for v, (t, h, w) in enumerate(grids):
+        step = max(1, C.VIDEO_ENCODE_PATCHES // (h * w))
+        out += [(v, first, min(t, first + step)) for first in range(0, t, step)]
     return out
+
+
+def video_chunks(grids) -> list[tuple[int, int, int]]:
+    """The (t, h, w) grid of each of video_passes(grids)."""
+    grids = list(grids)
+    return [(last - first, grids[v][1], grids[v][2]) for v, first, last in video_passes(grids)]
 
 
 def vision_sizes(image_grids, video_grids) -> dict:

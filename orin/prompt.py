@@ -22,6 +22,7 @@ class Prompt:
     video_seconds: tuple[float, ...] = ()  # each video's seconds per temporal grid
     n_video_tokens: int = 0
     audio_keys: tuple[bytes, ...] = ()  # each audio's digest of its samples (orin.inputs.audio_features.waveform_key)
+    video_pixels: object = None  # orin.inputs.video_patches.LazyVideoPixels: each encoder pass's pixel values
 
     @property
     def has_video(self) -> bool:
@@ -41,8 +42,8 @@ def prepare_prompt(processor, thinker_config, messages, device, video_dtype=None
 
     video_dtype = video_dtype or torch.float32
     inputs = processor.prepare(messages, device=device if device.type == "cuda" else None, video_dtype=video_dtype,
-                               audio_keys=True)
-    audio_keys = inputs.pop("audio_keys", ())
+                               audio_keys=True, lazy_videos=True)
+    audio_keys, video_pixels = inputs.pop("audio_keys", ()), inputs.pop("video_pixels", None)
     ids = inputs["input_ids"]
     fam, grids, videos = inputs.get("feature_attention_mask"), inputs.get("image_grid_thw"), inputs.get("video_grid_thw")
     return Prompt(
@@ -55,5 +56,5 @@ def prepare_prompt(processor, thinker_config, messages, device, video_dtype=None
         video_grids=tuple(tuple(int(v) for v in g) for g in videos.tolist()) if videos is not None else (),
         video_seconds=tuple(float(s) for s in inputs["video_second_per_grid"].tolist()) if videos is not None else (),
         n_video_tokens=int((ids == thinker_config.video_token_id).sum()),
-        audio_keys=tuple(audio_keys),
+        audio_keys=tuple(audio_keys), video_pixels=video_pixels,
     )

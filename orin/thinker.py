@@ -104,23 +104,26 @@ class Thinker:
         return self.encoder_graphs.run(("image", tuple(pixels.shape), grids), visual, (pixels,),
                                        lambda p: visual(p, plan), graph, keep=plan)
 
-    def encode_video(self, inputs: dict, prompt):
+    def encode_video(self, prompt):
         """orin.vision_encoder.VisionFeatures of every video of the prompt, videos one after another. The
         encoder attends within each temporal grid only, so a clip goes through it a few grids at a time
-        (orin.components.VIDEO_ENCODE_PATCHES patches at most, whole grids) with the same result (up to the
-        GEMMs' rounding): its activations stay those of a few frames however long the clip. No CUDA graph: a clip's shape rarely comes again."""
+        (orin.plan.video_passes: orin.components.VIDEO_ENCODE_PATCHES patches at most, whole grids) with the
+        same result (up to the GEMMs' rounding), each pass's pixel values patchified from the clip's frames when
+        the pass runs (prompt.video_pixels): the activations and pixel values alive are those of a few frames
+        however long the clip. No CUDA graph: a clip's shape rarely comes again."""
         import torch
 
-        from .plan import video_chunks
+        from .plan import video_passes
         from .vision_encoder import VisionFeatures
 
         visual = self.model.thinker.model.visual
-        pixels = inputs["pixel_values_videos"]
-        embeds, deepstack, row = [], [], 0
-        for grid in video_chunks(prompt.video_grids):
-            n = grid[0] * grid[1] * grid[2]
-            out = visual(pixels[row:row + n].to(self.dtype), visual.plan((grid,), pixels.device))
-            row += n
+        lazy, grids = prompt.video_pixels, prompt.video_grids
+        embeds, deepstack = [], []
+        for v, first, last in video_passes(grids):
+            grid = (last - first, grids[v][1], grids[v][2])
+            pixels = lazy.patches(v, first, last, self.device).to(self.dtype)
+            out = visual(pixels, visual.plan((grid,), self.device))
+            del pixels
             embeds.append(out.embeds)
             deepstack.append(out.deepstack)
         return VisionFeatures(torch.cat(embeds), [torch.cat(level) for level in zip(*deepstack, strict=True)])

@@ -115,8 +115,10 @@ def test_video_request_matches_transformers(engine, clip_video, media):
     assert report.prompt_tokens > 0 and frames
     prompt = engine.prepare(req)
     assert prompt.has_video and prompt.n_video_tokens == 36
+    # the engine patchifies each encoder pass's frames itself; transformers takes the whole clip's pixel values
+    given = {**prompt.inputs, "pixel_values_videos": prompt.video_pixels.whole("cpu")}
     inputs = {k: (v.to(engine.dtype) if torch.is_floating_point(v) and k != "video_second_per_grid" else v)
-              for k, v in prompt.inputs.items()}
+              for k, v in given.items()}
     model = hf_twin(engine.model, engine.cfg.model_dir)
     with torch.inference_mode():
         seq, _ = model.generate(
@@ -140,27 +142,39 @@ def _features(engine, inputs, prompt):
     th = engine.thinker
     audio = th.encode_audio(inputs, prompt) if prompt.has_audio else None
     image = th.encode_image(inputs, prompt) if prompt.has_image else None
-    return audio, image, th.encode_video(inputs, prompt)
+    return audio, image, th.encode_video(prompt)
 
 
 def test_video_is_encoded_a_few_grids_at_a_time(engine, clip_video, monkeypatch):
     import orin.components as components
 
     prompt = engine.prepare(GenerationRequest(messages=_messages(clip_video)))
-    inputs = dict(prompt.inputs)
-    whole = engine.thinker.encode_video(inputs, prompt)
+    whole = engine.thinker.encode_video(prompt)
     monkeypatch.setattr(components, "VIDEO_ENCODE_PATCHES", 48)  # one grid a pass
     calls = []
     visual = engine.model.thinker.model.visual
     original = type(visual).forward
     monkeypatch.setattr(type(visual), "forward", lambda self, px, plan: calls.append(px.shape[0]) or
                         original(self, px, plan))
-    pieces = engine.thinker.encode_video(inputs, prompt)
+    pieces = engine.thinker.encode_video(prompt)
     assert calls == [48, 48, 48]
     # the same sums, but GEMMs over fewer rows may round differently in the last bits
     torch.testing.assert_close(pieces.embeds, whole.embeds, atol=1e-5, rtol=1e-4)
     for a, b in zip(pieces.deepstack, whole.deepstack, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_engines_prompt_holds_frames_not_pixel_values(engine, clip_video):
+    """The engine's prompt keeps the clip's frames and patchifies each encoder pass's grids when it runs: the
+    rows are the processor's pixel values bit for bit, and no whole-clip pixel values are made."""
+    prompt = engine.prepare(GenerationRequest(messages=_messages(clip_video)))
+    assert "pixel_values_videos" not in prompt.inputs
+    lazy = prompt.video_pixels
+    want = Processor.from_dir(engine.cfg.model_dir).prepare(_messages(clip_video),
+                                                            video_dtype=lazy.dtype)["pixel_values_videos"]
+    t, h, w = lazy.grids[0]
+    assert torch.equal(lazy.whole("cpu"), want)
+    assert torch.equal(lazy.patches(0, 1, 3, "cpu"), want[h * w:3 * h * w])
 
 
 def test_generate_cli_answers_a_video_with_its_soundtrack(quantized_dir, tmp_path):

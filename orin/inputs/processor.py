@@ -97,22 +97,26 @@ class Processor:
         return rendered if batched else rendered[0]
 
     def prepare(self, messages: Sequence[Mapping], *, device: str | torch.device | None = None,
-                video_dtype: torch.dtype = torch.float32, audio_keys: bool = False) -> dict:
+                video_dtype: torch.dtype = torch.float32, audio_keys: bool = False,
+                lazy_videos: bool = False) -> dict:
         """The model's inputs for a request's messages, with the assistant's turn opened. `video_dtype`: of
-        pixel_values_videos (orin.inputs.video_patches: the encoder's own dtype loses nothing); `audio_keys`: as
-        for __call__."""
+        pixel_values_videos (orin.inputs.video_patches: the encoder's own dtype loses nothing); `audio_keys`,
+        `lazy_videos`: as for __call__."""
         conv = split_media(messages)
         text = self.apply_chat_template(conv.messages, add_generation_prompt=True)
         return self(text=[text], images=conv.images or None, audio=conv.audios or None, videos=conv.videos or None,
-                    device=device, video_dtype=video_dtype, audio_keys=audio_keys)
+                    device=device, video_dtype=video_dtype, audio_keys=audio_keys, lazy_videos=lazy_videos)
 
     def __call__(self, text=None, images=None, audio=None, videos=None, return_tensors: str = "pt",
                  padding: bool = True, device: str | torch.device | None = None,
-                 video_dtype: torch.dtype = torch.float32, audio_keys: bool = False) -> dict:
+                 video_dtype: torch.dtype = torch.float32, audio_keys: bool = False,
+                 lazy_videos: bool = False) -> dict:
         """The tensors of one rendered prompt whose placeholders stand for `images`, `audio` and `videos`
         (orin.video.Video; with its `audio`, a video with its audio), in order. With `audio_keys`, also
         "audio_keys": a digest of each audio's samples, in the features' order (orin.inputs.audio_features.
-        waveform_key; not a model input: take it out before passing the rest to transformers)."""
+        waveform_key; not a model input: take it out before passing the rest to transformers). With
+        `lazy_videos`, "video_pixels" (orin.inputs.video_patches.LazyVideoPixels, each pass's pixel values made
+        when the encoder needs them) instead of pixel_values_videos."""
         if isinstance(text, (list, tuple)):
             if len(text) != 1:
                 raise InputError(f"the processor takes one prompt at a time, not {len(text)}")
@@ -152,12 +156,16 @@ class Processor:
                 out["audio_keys"] = tuple(waveform_key(w) for w in waves)
             expansions[self.audio_token_id] = tuple(n for n, o in zip(counts, owners, strict=True) if o is None)
         if videos:
-            vp = self.video_patcher(videos, device, video_dtype)
-            out.update(pixel_values_videos=vp.pixel_values, video_grid_thw=vp.video_grid_thw,
+            vp = self.video_patcher.lazy(videos, video_dtype)
+            if lazy_videos:
+                out["video_pixels"] = vp
+            else:
+                out["pixel_values_videos"] = self.video_patcher(videos, device, video_dtype).pixel_values
+            out.update(video_grid_thw=torch.tensor(vp.grids, dtype=torch.int64),
                        video_second_per_grid=torch.tensor(vp.second_per_grid, dtype=torch.float32))
             soundtrack = {o: n for n, o in zip(counts, owners, strict=True) if o is not None}
             expansions[self.video_token_id] = tuple(
-                self._video_run(tuple(vp.video_grid_thw[v].tolist()), vp.second_per_grid[v], soundtrack[v])
+                self._video_run(vp.grids[v], vp.second_per_grid[v], soundtrack[v])
                 if v in soundtrack else vp.token_counts[v] for v in range(len(videos)))
         input_ids = torch.from_numpy(expand_placeholders(ids, expansions, names)).unsqueeze(0)
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **out}

@@ -65,9 +65,22 @@ class VideoPatcher:
         """`dtype`: of the pixel values. The vision encoder casts them to its own dtype first thing, and a value
         cast from the float32 table is the same value whether cast here or there: asking for the encoder's dtype
         halves a long clip's pixel values (120 s at 2 fps and 448²: 1.2 GB in float32) at no cost in accuracy."""
-        s = self.settings
+        lazy = self.lazy(videos, dtype)
         device = torch.device(device or "cpu")
-        table = self.images.table(device).to(dtype)
+        out = torch.empty((sum(t * h * w for t, h, w in lazy.grids), lazy.patch_dim), dtype=dtype, device=device)
+        row = 0
+        for v, (t, h, w) in enumerate(lazy.grids):
+            for first in range(0, t, PATCHIFY_GRIDS):  # a few grids at a time: the temporaries stay small
+                last = min(t, first + PATCHIFY_GRIDS)
+                n = (last - first) * h * w
+                out[row:row + n] = lazy.patches(v, first, last, device)
+                row += n
+        return VideoPatches(out, torch.tensor(lazy.grids, dtype=torch.int64), lazy.second_per_grid,
+                            lazy.token_counts)
+
+    def lazy(self, videos: Sequence, dtype: torch.dtype = torch.float32) -> LazyVideoPixels:
+        """The videos' grids and token counts now, their pixel values when asked (LazyVideoPixels.patches)."""
+        s = self.settings
         grids, seconds = [], []
         for video in videos:
             grids.append(self.grid(video))
@@ -76,20 +89,9 @@ class VideoPatcher:
             seconds.append(s.temporal_patch_size / float(video.fps))
         if not grids:
             raise InputError("no video to patchify")
-        patch_dim = 3 * s.temporal_patch_size * s.patch_size ** 2
-        out = torch.empty((sum(t * h * w for t, h, w in grids), patch_dim), dtype=dtype, device=device)
-        row = 0
-        for video, (t, h, w) in zip(videos, grids, strict=True):
-            for first in range(0, t, PATCHIFY_GRIDS):  # a few grids at a time: the temporaries stay small
-                last = min(t, first + PATCHIFY_GRIDS)
-                frames = _frames(video.frames, first * s.temporal_patch_size, last * s.temporal_patch_size,
-                                 device)
-                n = (last - first) * h * w
-                out[row:row + n] = self._patchify(frames, table)
-                row += n
         merge2 = s.merge_size ** 2
-        return VideoPatches(out, torch.tensor(grids, dtype=torch.int64), tuple(seconds),
-                            tuple(t * h * w // merge2 for t, h, w in grids))
+        return LazyVideoPixels(self, tuple(videos), tuple(grids), tuple(seconds),
+                               tuple(t * h * w // merge2 for t, h, w in grids), dtype)
 
     def _patchify(self, frames: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """[T, H, W, C] uint8 (T a multiple of the temporal patch) -> [T/tp * gh * gw, C * tp * P * P] in the
@@ -103,6 +105,39 @@ class VideoPatcher:
         offsets = torch.arange(channels, device=frames.device, dtype=torch.int32).view(1, 1, 1, 1, 1, -1, 1, 1, 1)
         values = table[blocks.to(torch.int32) + offsets * 256]
         return values.reshape(gt * gh * gw, channels * tp * p * p)
+
+
+@dataclass(frozen=True)
+class LazyVideoPixels:
+    """A prompt's videos as the engine encodes them: the uint8 frames stay where they are (the decoded clip, half
+    the bytes of its pixel values in BF16) and each vision-encoder pass patchifies its own grids, so no pass holds
+    a two-minute clip's pixel values (run 24: 0.27 GiB at 2 fps, beside the encoder's features at the request's
+    peak)."""
+
+    patcher: VideoPatcher
+    videos: tuple
+    grids: tuple[tuple[int, int, int], ...]
+    second_per_grid: tuple[float, ...]
+    token_counts: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def patch_dim(self) -> int:
+        s = self.patcher.settings
+        return 3 * s.temporal_patch_size * s.patch_size ** 2
+
+    def whole(self, device: str | torch.device) -> torch.Tensor:
+        """Every video's pixel values at once: pixel_values_videos, as transformers takes them."""
+        return torch.cat([self.patches(v, 0, t, device) for v, (t, _, _) in enumerate(self.grids)])
+
+    def patches(self, video: int, first: int, last: int, device: str | torch.device) -> torch.Tensor:
+        """Temporal grids [first, last) of video `video` as pixel values [(last-first)*h*w, patch_dim] on
+        `device`, in merge-block order: rows of the whole clip's pixel values, bit for bit."""
+        s = self.patcher.settings
+        device = torch.device(device)
+        frames = _frames(self.videos[video].frames, first * s.temporal_patch_size, last * s.temporal_patch_size,
+                         device)
+        return self.patcher._patchify(frames, self.patcher.images.table(device).to(self.dtype))
 
 
 def _frames(frames: np.ndarray, first: int, last: int, device: torch.device) -> torch.Tensor:
@@ -132,4 +167,4 @@ def audio_in_video(grid_thw: tuple[int, int, int], merge_size: int, second_per_g
     return order
 
 
-__all__ = ["VideoPatcher", "VideoPatches", "audio_in_video"]
+__all__ = ["LazyVideoPixels", "VideoPatcher", "VideoPatches", "audio_in_video"]
