@@ -133,7 +133,9 @@ class StaticDecoder:
         self._growth = 0
         self._stepped_by: str | None = None  # "tokens" (step) or "embeds" (step_embeds): how a dummy step goes
         self._prefill_captures = 0
-        self.last_prefill: str | None = None  # how the last prefill ran: graph, deferred (eager), eager, long, reused (eager), reused_graph, reused_deferred
+        # how the last prefill ran: graph, deferred (eager), eager, long; a continued one reused (eager),
+        # reused_graph or reused_deferred (eager, padded as its graph will be)
+        self.last_prefill: str | None = None
         self._held: _Held | None = None  # the last prompt, where a next turn may read its rows from the cache
 
     @property
@@ -311,8 +313,7 @@ class StaticDecoder:
         self._growth, self._last_rows = (T - self._last_rows if 0 < self._last_rows < T else 0), T
         x = embeds[shared:]
         Rb = prefill_bucket(R)
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        graph = self._graphs_for(x) and shared + Rb <= self.max_len and rep * Rb * self.max_len <= AFTER_MASK_MAX
+        graph = self._graphs_for(x) and shared + Rb <= self.max_len and self._after_mask_fits(Rb)
         self._need = max(need, shared + Rb) if graph else need
         cos, sin = m.rotary_emb(x.unsqueeze(0), position_ids[..., shared:])
         rest = None  # the deepstack rows after the shared ones, counted from the first row prefilled
@@ -343,7 +344,7 @@ class StaticDecoder:
     def _want_after(self, T: int, Tb: int, inputs: dict, record: tuple[int, ...]) -> None:
         """A conversation's first turn: want the continued-prefill buckets of a next turn about as long as this
         prompt (its answer and the next question), so that the second turn already replays a graph."""
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        rep = self._rep
         meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in inputs.items() if k != "ds"}
         meta["valid"] = torch.empty((Tb, 1), dtype=torch.bool, device="meta")
         meta["pos"] = torch.empty((Tb,), dtype=torch.long, device="meta")
@@ -366,10 +367,17 @@ class StaticDecoder:
         inputs["valid"] = (rows < R).unsqueeze(1)
         inputs["last"] = torch.tensor([R - 1], device=self.device)
         inputs["pos"] = rows + shared
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        inputs["mask"] = (self.positions.view(1, -1) <= inputs["pos"].view(-1, 1)).repeat(rep, 1).view(
-            1, 1, rep * Rb, self.max_len)
+        inputs["mask"] = (self.positions.view(1, -1) <= inputs["pos"].view(-1, 1)).repeat(self._rep, 1).view(
+            1, 1, self._rep * Rb, self.max_len)
         return inputs
+
+    @property
+    def _rep(self) -> int:
+        """Query heads per KV head: a masked pass's rows per prompt row."""
+        return self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+
+    def _after_mask_fits(self, rows: int) -> bool:
+        return self._rep * rows * self.max_len <= AFTER_MASK_MAX
 
     def _graphs_for(self, rows: torch.Tensor) -> bool:
         """Whether this prefill may go through a CUDA graph: graphs enabled (CUDA, INT4 experts throughout) and
@@ -502,7 +510,7 @@ class StaticDecoder:
         # least likely first
         order = sorted(ahead, key=lambda b: -abs(b - nxt))
         for rows in ([Tb, *order] if growing else [*order, Tb]):
-            if rows > C.LONG_PREFILL_TOKENS:
+            if rows > C.LONG_PREFILL_TOKENS or (key[3:] == (AFTER,) and not self._after_mask_fits(rows)):
                 continue
             # a row dimension may hold several rows per prompt row (the mask's, one per query head of a group)
             spec = {k: (shape[:_ROW_DIM[k]] + (shape[_ROW_DIM[k]] // Tb * rows,) + shape[_ROW_DIM[k] + 1:]

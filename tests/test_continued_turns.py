@@ -134,16 +134,18 @@ def test_a_turns_new_rows_replay_their_own_graph_once_captured(engine, decoder):
 
 def test_a_turn_whose_mask_would_be_too_large_prefills_its_rows_eagerly(engine, decoder, monkeypatch):
     """A continued prefill's graph holds a mask of (query heads of a group x rows x cache positions): past
-    AFTER_MASK_MAX the new rows go the eager way (no mask), with the same results."""
+    AFTER_MASK_MAX the new rows go the eager way (no mask), with the same results, and no such graph is wanted."""
     import orin.decode as D
 
     one, two = _turns(engine, 150, 90, seed=4)
     want = _prefill(decoder, two, continues=False)
     decoder.release()
     monkeypatch.setattr(D, "AFTER_MASK_MAX", 0)
+    decoder._wanted.clear()
     _prefill(decoder, one, continues=True, steps=2)
     got = _prefill(decoder, two, continues=True)
     assert decoder.last_prefill == "reused"
+    assert not any(key[3:] == (D.AFTER,) for key in decoder._wanted)  # no capture that could never be used
     _assert_same(got, want)
 
 
