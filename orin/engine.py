@@ -316,7 +316,7 @@ class Engine:
                                                                   plan.keeps_weights, req.continues)
             self.loader.set_cache_bytes(decoder.cache_bytes())
         state.mark("prefilled")
-        state.mark(f"prefill_{decoder.last_prefill}")  # graph, deferred, eager, long or reused[_graph|_deferred]: how it ran
+        state.mark(f"prefill_{decoder.last_prefill}")  # how it ran: StaticDecoder.last_prefill
         token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.ttft = time.perf_counter() - state.t0
         state.mark("first_token")
