@@ -257,6 +257,7 @@ class StaticDecoder:
             inputs["valid"] = (torch.arange(Tb, device=self.device) < T).unsqueeze(1)
         inputs["last"] = torch.tensor([T - 1], device=self.device)
         key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
+        consumed = False  # whether the prefill overwrote the embeddings (a long prompt's)
         if graph and self.defer and key not in self._prefill_graphs:
             self._want(T, key, inputs)
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
@@ -265,7 +266,12 @@ class StaticDecoder:
             logits, hidden, states = self._prefill_graph(key, inputs)
             self.last_prefill = "graph"
         elif T > C.LONG_PREFILL_TOKENS:
-            logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS)
+            # the prompt's embeddings are overwritten in place (no whole-prompt copy) where nothing reads them
+            # after: not recorded, and not held for a next turn
+            held = kept and _held_bytes(embeds, visual_given, len(record)) <= HELD_MAX_BYTES
+            consumed = 0 not in record and not held
+            logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS,
+                                                           consumed)
             self.last_prefill = "long"
         else:
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, eager_visual)
@@ -276,7 +282,7 @@ class StaticDecoder:
         self.length = T
         self.runner.check = True
         states = {i: s[:T] for i, s in states.items()}
-        self._held = _hold(embeds, position_ids, visual_given, states) if kept else None
+        self._held = _hold(embeds, position_ids, visual_given, states) if kept and not consumed else None
         return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _shared_rows(self, embeds, position_ids, visual, record: tuple[int, ...], need: int) -> int:
@@ -391,20 +397,22 @@ class StaticDecoder:
         return all(layer.mlp.experts.fused(rows, layer.mlp.gate.top_k)
                    for layer in self.model.layers if hasattr(layer.mlp, "experts"))
 
-    def _prefill_chunked(self, inputs: dict, record: tuple[int, ...], visual: tuple | None, chunk: int):
+    def _prefill_chunked(self, inputs: dict, record: tuple[int, ...], visual: tuple | None, chunk: int,
+                         consume: bool = False):
         """A long prompt (a video's tens of thousands of tokens) one layer at a time over the whole prompt: the
         attention `chunk` queries at a time, each chunk over the keys the chunks before it wrote (the working
         memory is a chunk's); the MLP over every row at once, so each layer's INT4 experts are dequantized once
         (decoder_layer.mlp_block_long), where a chunk-major order dequantized them once per chunk. Besides a
         chunk's or an expert piece's working memory, two whole-prompt hidden states live at once (the layer's
         input, overwritten by its output, and the MLP's normed input) plus the recorded ones the talker reads.
-        `visual`'s deepstack levels (a list) are consumed: each is dropped once added."""
+        `visual`'s deepstack levels (a list) are consumed: each is dropped once added. With `consume` the input
+        embeddings are the first layer's to overwrite (at 25k tokens, 100 MB less than a copy)."""
         m = self.model
         x, cos, sin = inputs["x"], inputs["cos"], inputs["sin"]
         T = x.shape[0]
         layers = self._prefill_layers(inputs)
         states = {0: x} if 0 in record else {}
-        owned = False  # whether x is this loop's to overwrite: not the embeddings, not a recorded state
+        owned = consume  # whether x is this loop's to overwrite: not the caller's embeddings, not a recorded state
         for i, (spec, w) in enumerate(layers):
             if not owned:
                 x, owned = x.clone(), True
@@ -624,11 +632,16 @@ class StaticDecoder:
 def _hold(embeds: torch.Tensor, position_ids: torch.Tensor, visual, states: dict) -> _Held | None:
     """The prompt to hold for a next turn, or None where it would keep more than HELD_MAX_BYTES alive (its
     embeddings, recorded hidden states and deepstack features)."""
-    levels = visual[1] if visual is not None and visual[1] else []
-    kept = sum(t.numel() * t.element_size() for t in (embeds, *states.values(), *levels))
-    if kept > HELD_MAX_BYTES:
+    if _held_bytes(embeds, visual, len(states)) > HELD_MAX_BYTES:
         return None
     return _Held(embeds, position_ids, None if visual is None else (visual[0], list(visual[1])), states)
+
+
+def _held_bytes(embeds: torch.Tensor, visual, states: int) -> int:
+    """What holding a prompt keeps alive: its embeddings, `states` recorded hidden states like them, and its
+    deepstack features."""
+    levels = visual[1] if visual is not None and visual[1] else []
+    return embeds.numel() * embeds.element_size() * (1 + states) + sum(t.numel() * t.element_size() for t in levels)
 
 
 def _same_visual_before(visual, held_visual, rows: int) -> int:

@@ -326,8 +326,8 @@ class Engine:
         talker, talker_ctx = None, None
         if req.speech:
             accept = self.config.talker_config.accept_hidden_layer
-            talker_ctx = (embeddings, prompt, hidden_states[0], hidden_states[accept])
-        # The talker needs two of the prefill's hidden-state layers; the other layers are dead weight during decode.
+            talker_ctx = (embeddings, prompt, hidden_states[accept])
+        # The talker needs one of the prefill's hidden-state layers; any other is dead weight during decode.
         del hidden_states
         vocoder = Vocoder(self.model, self.device, state, self._code2wav_stager(plan, state),
                           self.vocoder_graphs if plan.keeps_weights else None,
@@ -352,8 +352,8 @@ class Engine:
                 logits = decoder.step(token)
             token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.decode_end = time.perf_counter()
-        if req.speech and not streaming:
-            embeddings.remember(state.tokens)
+        if req.speech and not streaming:  # the talker reads the prompt's text rows from the table too
+            embeddings.remember(state.tokens + prompt.input_ids.reshape(-1).tolist())
         tail = detok.flush()
         if tail:
             yield TextDelta(tail, ())
@@ -411,9 +411,9 @@ class Engine:
     def _start_talker(self, state: RequestState, ctx, plan: RequestPlan):
         from .talker import Talker
 
-        embeddings, prompt, thinker_embed, thinker_hidden = ctx
+        embeddings, prompt, thinker_hidden = ctx
         talker = Talker(self.model, self.config, self.device, self.decoders, embeddings, state, prompt,
-                        thinker_embed, thinker_hidden, on_cache=self.loader.set_cache_bytes)
+                        thinker_hidden, on_cache=self.loader.set_cache_bytes)
         with self.meter.stage("talker"):
             talker.prefill(plan.keeps_weights)
         state.mark("talker_prefilled")

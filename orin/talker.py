@@ -33,15 +33,16 @@ def _in_blocks(fn, x):
 
 class Talker:
     def __init__(self, model, config, device, decoders: Decoders, text_embeddings: Callable, state: RequestState,
-                 prompt, thinker_embed, thinker_hidden, on_cache: Callable[[int], None]):
-        """`prompt`: the request's orin.prompt.Prompt; thinker_embed / thinker_hidden: the thinker prefill's
-        input embeddings and its `accept_hidden_layer` states [1, T, H]."""
+                 prompt, thinker_hidden, on_cache: Callable[[int], None]):
+        """`prompt`: the request's orin.prompt.Prompt; thinker_hidden: the thinker prefill's
+        `accept_hidden_layer` states [1, T, H]. The thinker's input embeddings the talker reads are its text
+        rows' only, which are the embedding table's rows of their tokens (`text_embeddings`): no copy of a long
+        prompt's input embeddings is recorded for it."""
         self.model, self.config, self.device = model, config, device
         self.decoders = decoders
         self.text_embeddings = text_embeddings
         self.state = state
         self.prompt = prompt
-        self.thinker_embed = thinker_embed
         self.thinker_hidden = thinker_hidden
         self.on_cache = on_cache
         self.step_index = 0
@@ -82,10 +83,11 @@ class Talker:
         text_rows = torch.nonzero(~mm).flatten().to(self.device)
         if mm_rows.numel():
             full.index_copy_(1, mm_rows, _in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows)))
-        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.thinker_embed.index_select(1, text_rows)))
+        text_ids = host_ids[~mm].view(1, -1).to(self.device)
+        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.text_embeddings(text_ids)))
         return full.index_select(1, user_rows.to(self.device)), host_ids[user_rows]
 
-    def _assistant_part(self, a_start: int, speaker_id: int, bos, pad):
+    def _assistant_part(self, host_ids, a_start: int, speaker_id: int, bos, pad):
         """The assistant turn's opening talker inputs (its first three text rows, four pads, tts_bos and the
         first generated token, over the codec's think/speaker/bos specials) and their ids, as
         _get_talker_assistant_parts builds them."""
@@ -94,7 +96,7 @@ class Talker:
         cfg, tk = self.config, self.config.talker_config
         t = self.model.talker
         first = self._thinker_embed_of(self.state.tokens[0])
-        embed_all = torch.cat([self.thinker_embed[:, a_start:], first], dim=1)
+        embed_all = torch.cat([self.text_embeddings(host_ids[a_start:].view(1, -1).to(self.device)), first], dim=1)
         hidden = self._proj(embed_all)
         text = torch.cat((hidden[:, :3], pad.expand(1, 4, -1), bos, hidden[:, 3:4]), dim=1)
         specials = torch.tensor([[tk.codec_nothink_id, tk.codec_think_bos_id, tk.codec_think_eos_id, speaker_id,
@@ -120,7 +122,7 @@ class Talker:
         bos, eos, pad = self._proj(self.text_embeddings(specials)).chunk(3, dim=1)
         self.tts_eos, self.tts_pad = eos, pad
         speaker_id = cfg.talker_config.speaker_id[req.voice.lower()]
-        a_embeds, a_ids = self._assistant_part(int(starts.flatten()[-1]), speaker_id, bos, pad)
+        a_embeds, a_ids = self._assistant_part(host_ids, int(starts.flatten()[-1]), speaker_id, bos, pad)
         embeds = torch.cat([user_embeds, a_embeds], dim=1)
         positions, delta = mrope_positions(torch.cat([user_ids, a_ids]), talker_spec(cfg.raw),
                                            image_grid_thw=self.prompt.image_grids or None,

@@ -164,12 +164,13 @@ class Thinker:
 
     def prefill(self, merged, max_len: int, keeps_weights: bool, continues: bool = False):
         """The merged prompt through the thinker: (its decoder, holding the prompt's KV cache; the hidden states
-        {HF index: [1, T, H]} the talker reads; the last position's logits). The two talker layers are always
-        recorded (two [T, H] copies), so text-only and speech requests share a prefill graph. `continues`: a
-        conversation's next turn (StaticDecoder.prefill)."""
+        {HF index: [1, T, H]} the talker reads; the last position's logits). The talker's layer is always
+        recorded, so text-only and speech requests share a prefill graph. `continues`: a
+        conversation's next turn (StaticDecoder.prefill). The merged embeddings are the prefill's to overwrite
+        (a long prompt's are, where it holds nothing for a next turn)."""
         embeds, position_ids, delta, visual = merged
         talker = self.config.talker_config
-        record = (0, talker.accept_hidden_layer) if talker is not None else ()
+        record = (talker.accept_hidden_layer,) if talker is not None else ()
         dec = self.decoders.thinker
         out = dec.prefill(embeds[0], position_ids, max_len, record=record, visual=visual, rope_delta=delta,
                           graph=keeps_weights, continues=continues)

@@ -232,3 +232,25 @@ def test_a_prompt_over_the_held_bytes_is_not_held(engine, decoder, monkeypatch):
     _prefill(decoder, one, continues=True)
     _prefill(decoder, two, continues=True)
     assert decoder.last_prefill.startswith("reused")
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_a_long_prompt_overwrites_its_embeddings_only_where_none_are_held(engine, decoder, monkeypatch, holds):
+    """A long prompt's prefill (one layer at a time) overwrites its input embeddings in place, no whole-prompt
+    copy, where nothing reads them after: not recorded, and not held for a next turn; a prompt small enough to
+    hold keeps them. The results are those of the copying prefill."""
+    import orin.components as components
+    import orin.decode as D
+
+    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 100)
+    if not holds:
+        monkeypatch.setattr(D, "HELD_MAX_BYTES", 0)
+    one, two = _turns(engine, 150, 90, seed=5)
+    embeds = one[0].clone()
+    got = decoder.prefill(embeds, one[1], 200, record=(2,), continues=True)
+    assert decoder.last_prefill == "long"
+    assert torch.equal(embeds, one[0]) == holds and (decoder._held is not None) == holds
+    decoder.release()
+    want = decoder.prefill(one[0].clone(), one[1], 200, record=(0, 2))  # recorded: never overwritten
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.states[2], want.states[2], atol=1e-4, rtol=1e-4)
