@@ -168,11 +168,19 @@ def test_audio_keys_digest_the_samples_in_the_features_order(mine):
     a, b = speech(1.0, seed=1), speech(2.0, seed=2)
     messages = [{"role": "user", "content": [{"type": "audio", "audio": a}, {"type": "audio", "audio": b}]}]
     assert "audio_keys" not in mine.prepare(messages)
-    keys = mine.prepare(messages, audio_keys=True)["audio_keys"]
-    assert keys == (waveform_key(a), waveform_key(b)) and keys[0] != keys[1]
+    got = mine.prepare(messages, audio_keys=True)
+    keys, frames = got["audio_keys"], got["feature_attention_mask"].sum(-1).tolist()
+    assert keys == (waveform_key(a, frames[0]), waveform_key(b, frames[1])) and keys[0] != keys[1]
     swapped = [{"role": "user", "content": [{"type": "audio", "audio": b}, {"type": "audio", "audio": a}]}]
     assert mine.prepare(swapped, audio_keys=True)["audio_keys"] == keys[::-1]
-    assert waveform_key(a[:-1]) != keys[0]
+    assert waveform_key(a[:-1], frames[0]) != keys[0]
+    # the longest audio of a batch may have a frame fewer than beside a longer one: its tokens differ, so its key
+    c = speech(1.234, seed=3)  # not a whole number of hops
+    beside = mine.prepare([{"role": "user", "content": [{"type": "audio", "audio": c}, {"type": "audio",
+                                                                                         "audio": b}]}], audio_keys=True)
+    alone = mine.prepare([{"role": "user", "content": [{"type": "audio", "audio": c}]}], audio_keys=True)
+    assert alone["feature_attention_mask"].sum() == beside["feature_attention_mask"][0].sum() - 1
+    assert alone["audio_keys"][0] != beside["audio_keys"][0]
 
 
 def test_images_and_audio_over_several_turns(hf, mine, tiny_model_dir):

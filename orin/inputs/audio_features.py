@@ -142,13 +142,14 @@ class LogMel:
         return AudioFeatures(features, mask, frames, tokens)
 
 
-def waveform_key(audio) -> bytes:
-    """A digest of one audio's samples (as float32) and their count: what the engine keeps an audio's encoder
-    tokens under between requests. Not of its features: on a GPU the STFT and the mel projection of a batch
-    round differently with the batch's shape, so the same audio in another turn's batch gave other feature bits
-    (run 24r re-encoded an earlier turn's audio on some turns)."""
+def waveform_key(audio, frames: int) -> bytes:
+    """A digest of one audio's samples (as float32), their count and its feature frames: what the engine keeps
+    an audio's encoder tokens under between requests. Not of its features: on a GPU the STFT and the mel
+    projection of a batch round differently with the batch's shape, so the same audio in another turn's batch
+    gave other feature bits (run 24r re-encoded an earlier turn's audio on some turns). The frames count: the
+    longest audio of a batch gets a frame fewer than it would beside a longer one (LogMel), and so its tokens."""
     wave = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
-    return hashlib.blake2b(wave.tobytes(), digest_size=20, person=str(wave.size).encode()[:16]).digest()
+    return hashlib.blake2b(wave.tobytes(), digest_size=20, person=f"{wave.size}:{frames}".encode()[:16]).digest()
 
 
 def _mono(audio, index: int, s: AudioSettings) -> np.ndarray:

@@ -153,7 +153,7 @@ class Processor:
                        feature_attention_mask=features.feature_attention_mask)
             counts = features.token_counts
             if audio_keys:
-                out["audio_keys"] = tuple(waveform_key(w) for w in waves)
+                out["audio_keys"] = tuple(waveform_key(w, n) for w, n in zip(waves, features.frames, strict=True))
             expansions[self.audio_token_id] = tuple(n for n, o in zip(counts, owners, strict=True) if o is None)
         if videos:
             vp = self.video_patcher.lazy(videos, video_dtype)
