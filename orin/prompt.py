@@ -21,7 +21,7 @@ class Prompt:
     video_grids: tuple[tuple[int, int, int], ...] = ()  # each video's (t, h, w) patch grid
     video_seconds: tuple[float, ...] = ()  # each video's seconds per temporal grid
     n_video_tokens: int = 0
-    audio_keys: tuple[bytes, ...] = ()  # each audio's digest of its samples (orin.inputs.audio_features.waveform_key)
+    audio_keys: tuple[bytes, ...] = ()  # each audio's samples and frames, digested (audio_features.waveform_key)
     video_pixels: object = None  # orin.inputs.video_patches.LazyVideoPixels: each encoder pass's pixel values
 
     @property
