@@ -113,8 +113,9 @@ class Processor:
                  lazy_videos: bool = False) -> dict:
         """The tensors of one rendered prompt whose placeholders stand for `images`, `audio` and `videos`
         (orin.video.Video; with its `audio`, a video with its audio), in order. With `audio_keys`, also
-        "audio_keys": a digest of each audio's samples, in the features' order (orin.inputs.audio_features.
-        waveform_key; not a model input: take it out before passing the rest to transformers). With
+        "audio_keys": a digest of each audio's samples and feature frames, in the features' order
+        (orin.inputs.audio_features.waveform_key; not a model input: take it out before passing the rest to
+        transformers). With
         `lazy_videos`, "video_pixels" (orin.inputs.video_patches.LazyVideoPixels, each pass's pixel values made
         when the encoder needs them) instead of pixel_values_videos."""
         if isinstance(text, (list, tuple)):
