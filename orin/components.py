@@ -47,10 +47,12 @@ DEFAULT_SEGMENTS_SPEC = ";".join(f"{k}={'+'.join(v)}" for k, v in DEFAULT_SEGMEN
 PIPELINE = ("audio_encoder", "vision_encoder", "thinker_text", "talker", "code_predictor", "code2wav")
 SPEECH_COMPONENTS = ("talker", "code_predictor", "code2wav")
 
-# Streaming code2wav: the first chunk is small so the first audio packet comes early; later chunks are
-# larger for throughput. Each chunk is decoded with left context so the causal convolutions see the
-# same history as a whole-utterance decode. The planner sizes code2wav activations from these.
-CODE2WAV_FIRST_CHUNK = 4
+# Streaming code2wav: the first chunk is one frame, so the first audio packet waits for the talker's first
+# frame only; each later chunk is as long as all before it together, up to CODE2WAV_CHUNK (orin.vocoder.
+# chunk_frames): a frame is 80 ms of audio and 15-25 ms of talker steps, so each chunk is ready before the audio
+# already out has played. Each chunk is decoded with left context so the causal convolutions see the same history
+# as a whole-utterance decode. The planner sizes code2wav activations from these.
+CODE2WAV_FIRST_CHUNK = 1
 CODE2WAV_CHUNK = 32
 CODE2WAV_LEFT_CONTEXT = 25
 # The talker may start speaking after the thinker has produced this many text tokens.

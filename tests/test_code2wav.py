@@ -11,6 +11,7 @@ from module_oracle import assert_same_tree, checkpoint_state, random_state
 from orin import components as C
 from orin.code2wav import Code2Wav
 from orin.modelcfg import load_config, read_config_dict
+from orin.vocoder import chunk_count, chunk_frames
 
 ATOL = 1e-5
 PREFIX = "code2wav."
@@ -47,11 +48,11 @@ def random_codes(frames: int, seed: int, quantizers: int = 4, codebook: int = 64
 
 
 def vocoder_schedule(model, codes: torch.Tensor) -> torch.Tensor:
-    """orin/vocoder.py's chunking: a first chunk, then fixed chunks, each with up to LEFT_CONTEXT frames before
+    """orin/vocoder.py's chunking: chunks of chunk_frames(done) frames, each with up to LEFT_CONTEXT frames before
     it, whose samples are cut off the front."""
     wavs, done, frames = [], 0, codes.shape[-1]
     while done < frames:
-        end = min(done + (C.CODE2WAV_FIRST_CHUNK if done == 0 else C.CODE2WAV_CHUNK), frames)
+        end = min(done + chunk_frames(done), frames)
         ctx = min(C.CODE2WAV_LEFT_CONTEXT, done)
         wavs.append(model(codes[..., done - ctx:end])[..., ctx * int(model.total_upsample):])
         done = end
@@ -108,6 +109,25 @@ def test_chunked_decode_matches_transformers(tiny_pair):
         assert not torch.allclose(bare[..., :1000], expected[..., cut:cut + 1000], atol=1e-3)
 
 
+def test_chunk_schedule_doubles_to_a_few_recurring_shapes():
+    from orin.encoder_graphs import GRAPHS_KEPT
+
+    sizes, done = [], 0
+    while done < 200:
+        sizes.append(chunk_frames(done))
+        done += sizes[-1]
+    # the first packet waits for one frame; each chunk is as long as all before it, so it is ready before they
+    # have played (a frame is 80 ms of audio, a few tens of ms of talker steps)
+    assert sizes == [1, 2, 4, 8, 16] + [32] * 6 and sum(sizes) >= 200
+    shapes, done = set(), 0
+    for size in sizes:
+        shapes.add(size + min(C.CODE2WAV_LEFT_CONTEXT, done))
+        done += size
+    assert shapes == {1, 3, 7, 15, 31, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
+    assert len(shapes) <= GRAPHS_KEPT  # every shape keeps its graph
+    assert [chunk_count(n) for n in (1, 2, 3, 4, 63, 64, 95, 96)] == [1, 2, 2, 3, 6, 7, 7, 8]
+
+
 def test_tables_and_masks_are_cached_per_length(tiny_pair):
     ours = tiny_pair["random"][0]
     pre = ours.pre_transformer
@@ -146,13 +166,21 @@ def test_real_config_tree_on_meta(real_config):
     assert ours.total_upsample == int(hf.total_upsample)
 
 
-@pytest.mark.parametrize("frames", [1, C.CODE2WAV_FIRST_CHUNK - 1, C.CODE2WAV_FIRST_CHUNK + C.CODE2WAV_CHUNK + 10,
-                                    C.CODE2WAV_FIRST_CHUNK + 2 * C.CODE2WAV_CHUNK + 5])
+def _recurring_shapes(frames: int) -> set[int]:
+    shapes, done = set(), 0
+    while done < frames:
+        shapes.add(chunk_frames(done) + min(C.CODE2WAV_LEFT_CONTEXT, done))
+        done += chunk_frames(done)
+    return shapes
+
+
+# a chunk cut short at each place in the schedule: the second chunk, the fourth, the first whole-size one, a later
+@pytest.mark.parametrize("frames", [1, 2, 5, C.CODE2WAV_CHUNK + 10, 3 * C.CODE2WAV_CHUNK + 5])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, graphs):
-    """The vocoder's last chunk, and a reply shorter than the first chunk, go through code2wav padded to one of
-    the two recurring shapes (each a CUDA graph where graphs are kept, and padded alike where not, so every
-    budget gives the same samples): the samples are those of the unpadded chunks, and code2wav never sees
+    """The vocoder's last chunk, and a reply shorter than the first chunks, go through code2wav padded to the
+    shape of their place in the schedule (each a CUDA graph where graphs are kept, and padded alike where not, so
+    every budget gives the same samples): the samples are those of the unpadded chunks, and code2wav never sees
     another length."""
     from contextlib import nullcontext
     from types import SimpleNamespace
@@ -179,5 +207,6 @@ def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, 
     got = torch.from_numpy(np.concatenate([c.samples for c in chunks]))
     assert got.shape[0] == expected.shape[-1]
     torch.testing.assert_close(got, expected.reshape(-1).float(), atol=ATOL, rtol=0)
-    assert set(seen_by_vocoder) <= {C.CODE2WAV_FIRST_CHUNK, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
+    assert set(seen_by_vocoder) == _recurring_shapes(frames)
+    assert set(seen_by_vocoder) <= {1, 3, 7, 15, 31, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
     assert sum(len(c.frames) for c in chunks) == frames

@@ -329,12 +329,10 @@ def parse_wav(data: bytes) -> tuple[int, int, int, int]:
 
 
 def vocoder_chunks(frames: int) -> int:
-    """How many pieces code2wav decodes `frames` codec frames in (orin.engine's fixed chunk schedule)."""
-    from ..components import CODE2WAV_CHUNK, CODE2WAV_FIRST_CHUNK
+    """How many pieces code2wav decodes `frames` codec frames in (orin.vocoder's fixed chunk schedule)."""
+    from ..vocoder import chunk_count
 
-    if frames <= CODE2WAV_FIRST_CHUNK:
-        return 1
-    return 1 + math.ceil((frames - CODE2WAV_FIRST_CHUNK) / CODE2WAV_CHUNK)
+    return chunk_count(frames)
 
 
 def expected_samples(frames: int) -> tuple[int, int]:

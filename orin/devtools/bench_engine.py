@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .. import components as C
 from ..units import format_bytes
 from .bench_config import BenchConfig, BenchInputs, VideoCase, bench_request, free, run_name, sync
-from .bench_kernels import decode_timings, prefill_timings, profile_events
+from .bench_kernels import decode_timings, prefill_timings, profile_events, profile_once
 from .bench_report import ttft_stats
 
 log = logging.getLogger("orin.devtools.bench")
@@ -221,6 +221,9 @@ def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) 
     summary.update(video_phases(summary["timeline_s"]))
     summary["warmup_s"] = warm_s
     summary["decoders"] = engine.decoder_stats()
+    if cuda and cfg.profile:  # where the device time to the first audio packet goes (encoders, both prefills)
+        summary["profile_to_first_audio"] = _attempt("profile", lambda: profile_once(
+            lambda: stream_request(engine, bench_request(cfg, case.inputs), cancel_after_audio=True)))
     log_fn(f"[{case.name} {name}] {counts['prompt_tokens']} prompt tokens ({counts['video_tokens']} video, "
            f"{counts['audio_tokens']} audio): encode {summary['encode_s'] or 0:.2f} s, prefill "
            f"{summary['prefill_s'] or 0:.2f} s, ttft {summary['ttft_s'] or 0:.2f} s, first audio "

@@ -256,6 +256,15 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn: Callab
             "energy_backend": energy.get("backend"),
             "warmup_s": warm_s,
         }
+        if device.type == "cuda" and cfg.profile:  # the encoders and the prefill, to set beside the engine's
+            from .bench_kernels import profile_once
+
+            try:
+                figures["profile_to_first_token"] = profile_once(lambda: model.generate(
+                    **tensors(), use_audio_in_video=True, return_audio=False, thinker_max_new_tokens=1,
+                    thinker_min_new_tokens=1, thinker_do_sample=False))
+            except Exception as exc:  # noqa: BLE001 - the case's figures above still count
+                figures["profile_to_first_token"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
         log_fn(f"[{case.name} hf] {figures['prompt_tokens']} prompt tokens ({figures['video_tokens']} video, "
                f"{figures['audio_tokens']} audio): encode {figures['encode_s'] or 0:.2f} s, ttft "
                f"{figures['ttft_s'] or 0:.2f} s, audio at {figures['first_audio_s'] or 0:.1f} s, peak "

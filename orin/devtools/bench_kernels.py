@@ -7,7 +7,7 @@ Whether these paths compute the right thing is tests/test_device_kernels.py's jo
 - `prefill_timings`: one thinker MoE layer's experts and its q_proj over a prompt's worth of rows on each INT4
   route (the modules' `route` parameter: grouped against tinygemm per expert, dense against tinygemm), and the
   encoders as the engine calls them.
-- `profile_steps` / `profile_events`: torch.profiler summaries (top kernels by device time).
+- `profile_steps` / `profile_once` / `profile_events`: torch.profiler summaries (top kernels by device time).
 """
 
 from __future__ import annotations
@@ -38,6 +38,19 @@ def profile_events(prof, calls: int, top: int) -> dict:
     return {"kernels_per_call": sum(e.count for e in events) / calls, "device_ms_per_call": total / calls / 1e3,
             "top": [{"name": e.key[:100], "share": e.self_device_time_total / total, "calls_per_call": e.count / calls,
                      "us_per_call": e.self_device_time_total / calls} for e in ranked]}
+
+
+def profile_once(fn, top: int = 30) -> dict:
+    """The top kernels of one call of `fn` under torch.profiler (CUDA kernels only), for a long request's
+    breakdown (the video cases' prefill): where its device time goes, not how long it takes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return profile_events(prof, 1, top)
 
 
 def profile_steps(step, n: int) -> dict:
