@@ -62,6 +62,10 @@ TALKER_START_TOKENS = 1
 # 16,384) peaked at 1.0 GB over the resident weights and caches while encoding, the request's peak: half as many
 # patches halves a pass's activations; passes of 8,192 patches are still a few large GEMMs each.
 VIDEO_ENCODE_PATCHES = 8192
+# A long prompt's whole-prompt attention (Hopper, cuDNN: orin.decoder_layer.attention_block_long) pads its rows to
+# a multiple of this, so prompts of nearby lengths share cuDNN's plan for the shape (~80 ms to build on an H200,
+# against ~8 ms a layer to run at 25k tokens).
+WHOLE_PROMPT_BUCKET = 1024
 # Over this prompt length (a video's tens of thousands of tokens) the prefill runs eagerly, not from a CUDA
 # graph (whose pool would keep a one-off length's intermediates), one layer at a time over the whole prompt,
 # its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few

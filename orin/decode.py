@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from . import components as C
-from .decoder_layer import attention_block, decoder_layer, layer_weights, mlp_block_long, supported
+from .decoder_layer import (
+    attention_block,
+    attention_block_long,
+    cudnn_whole_prompt,
+    decoder_layer,
+    layer_weights,
+    mlp_block_long,
+    supported,
+)
 from .errors import ModelError
 from .graph_runner import GraphRunner
 
@@ -401,7 +409,8 @@ class StaticDecoder:
                          consume: bool = False):
         """A long prompt (a video's tens of thousands of tokens) one layer at a time over the whole prompt: the
         attention `chunk` queries at a time, each chunk over the keys the chunks before it wrote (the working
-        memory is a chunk's); the MLP over every row at once, so each layer's INT4 experts are dequantized once
+        memory is a chunk's), or on Hopper whole on cuDNN, one KV group at a time (attention_block_long: twice
+        flash-attention 2's rate there); the MLP over every row at once, so each layer's INT4 experts are dequantized once
         (decoder_layer.mlp_block_long), where a chunk-major order dequantized them once per chunk. Besides a
         chunk's or an expert piece's working memory, two whole-prompt hidden states live at once (the layer's
         input, overwritten by its output, and the MLP's normed input) plus the recorded ones the talker reads.
@@ -413,15 +422,20 @@ class StaticDecoder:
         layers = self._prefill_layers(inputs)
         states = {0: x} if 0 in record else {}
         owned = consume  # whether x is this loop's to overwrite: not the caller's embeddings, not a recorded state
+        whole = cudnn_whole_prompt(x.device)  # Hopper: the attention over every row in one cuDNN call per group
         for i, (spec, w) in enumerate(layers):
             if not owned:
                 x, owned = x.clone(), True
-            # in place, chunk by chunk: a later chunk reads only its own rows of x, the earlier ones' keys and
-            # values being in the cache already
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                x[s:e] = attention_block(x[s:e], cos[s:e], sin[s:e], None, self.positions[s:e], self.k_cache[i],
-                                         self.v_cache[i], w, spec, prefix=s)
+            if whole:
+                x = attention_block_long(x, cos, sin, self.positions, self.k_cache[i], self.v_cache[i], w, spec,
+                                         chunk)
+            else:
+                # in place, chunk by chunk: a later chunk reads only its own rows of x, the earlier ones' keys and
+                # values being in the cache already
+                for s in range(0, T, chunk):
+                    e = min(T, s + chunk)
+                    x[s:e] = attention_block(x[s:e], cos[s:e], sin[s:e], None, self.positions[s:e],
+                                             self.k_cache[i], self.v_cache[i], w, spec, prefix=s)
             x = mlp_block_long(x, w, spec, chunk)
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(layers) else x

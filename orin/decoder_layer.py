@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from . import components as C
 from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
 from .int4pack import int4_mm
 from .text_model import topk_routing
@@ -258,6 +259,92 @@ def _flash_lower_right(q: torch.Tensor) -> bool:
             log.info("flash attention unavailable for prefill chunks (%s); using SDPA", exc)
             _FLASH[key] = False
     return _FLASH[key]
+
+
+_CUDNN: dict = {}
+
+
+def cudnn_whole_prompt(device: torch.device) -> bool:
+    """Whether a long prompt's attention runs whole on cuDNN's kernel (attention_block_long): a Hopper or newer
+    GPU, where cuDNN's causal attention runs at twice flash-attention 2's rate (25k tokens, 32 query heads over 4:
+    8.0 ms a layer against 16.4, BENCHMARKS.md), and a build whose kernel computes a small causal GQA problem as
+    the math path does (checked once per device). Elsewhere, the Orin (sm87) included, the prompt goes 4,096
+    queries at a time on flash (attention_block)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    key = device.index
+    if key not in _CUDNN:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn((1, 4, 96, 128), generator=gen, device=device, dtype=torch.bfloat16)
+        k = torch.randn((1, 1, 96, 128), generator=gen, device=device, dtype=torch.bfloat16)
+        v = torch.randn((1, 1, 96, 128), generator=gen, device=device, dtype=torch.bfloat16)
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            with sdpa_kernel([SDPBackend.MATH]):
+                want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                      enable_gqa=True)
+            _CUDNN[key] = bool((got.float() - want).abs().max() < 2e-2)
+        except (RuntimeError, NotImplementedError) as exc:
+            log.info("cuDNN attention unavailable for long prompts (%s); using flash in chunks", exc)
+            _CUDNN[key] = False
+    return _CUDNN[key]
+
+
+def _dense_weight(spec: LinearSpec, w: tuple) -> torch.Tensor:
+    """A projection's weight as one dense [n_pad, k_run] matrix (INT4 dequantized, as _linear does for prefill
+    rows)."""
+    return dequantize_packed(w[0], w[1], spec.group) if spec.int4 else w[0]
+
+
+def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int):
+    """attention_block over a whole prompt from position 0, on cuDNN (cudnn_whole_prompt), adding into x (the
+    caller's own tensor) in place. Keys and values go into the cache `chunk` rows at a time; then one KV head's
+    group of query heads at a time, its queries for every row and one causal call over the whole prompt, so
+    besides x the working memory is a group's queries and the attention's output for all heads (at 25k tokens,
+    52 and 206 MB: no more than the MoE's that follows). Rows are padded to C.WHOLE_PROMPT_BUCKET: the padding's
+    queries come after every real row and, the mask being causal, are never attended; the cache's padding
+    positions are zeroed, so no stale value meets a zero weight. The projections, norms and rotary embedding are
+    attention_block's, row for row."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    T = x.shape[0]
+    hd, kv = spec.head_dim, spec.kv_heads
+    rep = spec.heads // kv
+    padded = min(k_cache.shape[2], -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET)
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        h = _rms(x[s:e], w["ln1"], spec.eps)
+        k = _rms(_linear(h, spec.k, w["k"]).view(e - s, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+        v = _linear(h, spec.v, w["v"]).view(e - s, kv, hd).transpose(0, 1)
+        k_cache.index_copy_(2, pos[s:e], _rope(k, cos[s:e], sin[s:e]).unsqueeze(0))
+        v_cache.index_copy_(2, pos[s:e], v.unsqueeze(0))
+    k_cache[:, :, T:padded].zero_()
+    v_cache[:, :, T:padded].zero_()
+    wq = _dense_weight(spec.q, w["q"])
+    out = x.new_empty((T, spec.heads * hd))
+    for g in range(kv):
+        cols = slice(g * rep * hd, (g + 1) * rep * hd)
+        wg, bg = wq[cols], (w["q"][-1][cols] if spec.q.bias else None)
+        q = x.new_zeros((1, rep, padded, hd))
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            h = _rms(x[s:e], w["ln1"], spec.eps).to(wg.dtype)
+            if spec.q.k_run > spec.q.k:
+                h = F.pad(h, (0, spec.q.k_run - spec.q.k))
+            qg = _rms(F.linear(h, wg, bg).view(e - s, rep, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
+            q[0, :, s:e] = _rope(qg, cos[s:e], sin[s:e])
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            att = F.scaled_dot_product_attention(q, k_cache[:, g:g + 1, :padded], v_cache[:, g:g + 1, :padded],
+                                                 is_causal=True, scale=spec.scaling, enable_gqa=True)
+        out[:, cols] = att[0, :, :T].transpose(0, 1).reshape(T, rep * hd)
+        del q, att
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        x[s:e] += _linear(out[s:e], spec.o, w["o"])
+    return x
 
 
 def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):

@@ -204,6 +204,40 @@ def test_prefill_chunk_attention_on_flash_matches_the_lower_right_bias(monkeypat
     assert _rel(got, want) < 1e-2
 
 
+def test_whole_prompt_attention_on_cudnn_matches_the_chunks_on_flash(cuda_engine):
+    """A long prompt's attention whole on cuDNN, one KV group at a time (Hopper: attention_block_long) against
+    the chunks on flash that run elsewhere, on a loaded thinker layer: the same layer output and cache rows, with
+    the rows padded to the bucket and the cache's stale positions (NaN here) never read into a real row."""
+    import torch
+
+    import orin.decoder_layer as dl
+
+    if not dl.cudnn_whole_prompt(torch.device("cuda")):
+        pytest.skip("cuDNN's whole-prompt attention runs on sm90+ only")
+    layer = _moe_layer(cuda_engine)
+    spec, w = dl.layer_weights(layer, torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    T, chunk, cache = 700, 256, 1100
+    x = torch.randn((T, spec.hidden), generator=gen, device="cuda").to(torch.bfloat16)
+    angles = torch.rand((T, spec.head_dim // 2), generator=gen, device="cuda") * T
+    cos = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16)
+    pos = torch.arange(cache, device="cuda")
+    shape = (1, spec.kv_heads, cache, spec.head_dim)
+    k1, v1 = (torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k2, v2 = (torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with torch.inference_mode():
+        want = x.clone()
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            want[s:e] = dl.attention_block(want[s:e], cos[s:e], sin[s:e], None, pos[s:e], k1, v1, w, spec, prefix=s)
+        got = dl.attention_block_long(x.clone(), cos, sin, pos, k2, v2, w, spec, chunk)
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) < 1e-2
+    assert _rel(k2[:, :, :T], k1[:, :, :T]) < 1e-3 and _rel(v2[:, :, :T], v1[:, :, :T]) < 1e-3
+    assert _rel(got - x, want - x) < 2e-2  # the attention's own contribution, not only the residual
+
+
 def test_dense_projection_matches_tinygemm(cuda_engine):
     import torch
 
