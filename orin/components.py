@@ -82,10 +82,11 @@ def cache_positions(n: int) -> int:
     """The positions a static KV cache that must hold `n` is given."""
     return -(-max(1, n) // CACHE_GRANULE) * CACHE_GRANULE
 
-# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
-# worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
-# twice as many (each expert still gets a hundred rows or more).
-LONG_MOE_BLOCK_ROWS = 16384
+# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 1,024 tokens'
+# worth at the thinker's top-8, 59 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
+# four times as many (each expert still gets a hundred rows or more). Half of run 29's 16,384: the MoE's working
+# memory is the 2 fps video prefill's peak, beside the deepstack levels not yet added.
+LONG_MOE_BLOCK_ROWS = 8192
 
 
 def component_of(param_name: str) -> str | None:

@@ -388,17 +388,21 @@ class Int4Experts(nn.Module):
         per_expert = (self.gate_up_scales_and_zeros.shape[-2] * self._geom["gate_up"][1]
                       + self.down_scales_and_zeros.shape[-2] * self._geom["down"][1]) * into.element_size()
         per = max(1, PREFILL_DEQUANT_CHUNK // per_expert)
-        start = 0
-        for e0 in range(0, E, per):
-            e1 = min(E, e0 + per)
-            if not sum(counts[e0:e1]):
-                continue
+        pieces = [(e0, min(E, e0 + per), list(_row_blocks(counts[e0:e0 + per], max_rows)))
+                  for e0 in range(0, E, per) if sum(counts[e0:e0 + per])]
+        # every block's group ends in one copy: a tensor made from a host list per block is a pageable copy,
+        # which waits for the GPU to drain, so the host's launches stopped being ahead of it ~20 times a layer
+        ends_all = _to_device([e for _, _, blocks in pieces for _, block in blocks
+                               for e in itertools.accumulate(block)], into.device)
+        start = at = 0
+        for e0, e1, blocks in pieces:
             w_gu = dequantize_packed(self.gate_up_packed[e0:e1], self.gate_up_scales_and_zeros[e0:e1], gu_group)
             w_dn = dequantize_packed(self.down_packed[e0:e1], self.down_scales_and_zeros[e0:e1], dn_group)
-            for lo, block in _row_blocks(counts[e0:e1], max_rows):
+            for lo, block in blocks:
                 rows = sum(block)
                 sl = slice(start, start + rows)
-                ends = torch.tensor(list(itertools.accumulate(block)), device=into.device)
+                ends = ends_all[at:at + len(block)]
+                at += len(block)
                 # each intermediate dropped as soon as the next exists: a block's peak is its rows times
                 # (K + 2I), not the sum of every intermediate
                 gate_up = grouped_matmul(self._rows(hidden_states, token[sl]), w_gu[lo:lo + len(block)], block, ends)
@@ -500,6 +504,14 @@ class Int4Experts(nn.Module):
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
             f"group_size={self.group_size}, loaded={self.is_loaded}, layout={self.layout}"
         )
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int32 tensor of `values` on `device`, without the host waiting for the GPU (pinned, asynchronous)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row_blocks(counts: list[int], max_rows: int):
