@@ -352,6 +352,7 @@ class Engine:
                 logits = decoder.step(token)
             token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.decode_end = time.perf_counter()
+        decoder.turn_ended(len(state.tokens))  # a conversation's next turn: its bucket, now its length is known
         if req.speech and not streaming:  # the talker reads the prompt's text rows from the table too
             embeddings.remember(state.tokens + prompt.input_ids.reshape(-1).tolist())
         tail = detok.flush()

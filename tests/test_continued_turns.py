@@ -132,6 +132,30 @@ def test_a_turns_new_rows_replay_their_own_graph_once_captured(engine, decoder):
     _assert_same(got, want)
 
 
+def test_an_ended_turn_wants_the_bucket_of_its_answer_and_a_question(engine, decoder):
+    """At a turn's prefill only its own length is known, and it wants a next turn about as long. Once the answer
+    is done (Engine calls turn_ended with its length) the next turn's new rows are that answer and a question
+    about as long as this turn's: their bucket is wanted, captured while idle and replayed, with a whole
+    prefill's results, where the prefill's guess had missed it."""
+    from orin.decode import AFTER, prefill_bucket
+
+    one, two = _turns(engine, 100, 420, seed=4)
+    want = _prefill(decoder, two, continues=False)
+    decoder.release()
+    decoder._wanted.clear()
+    _prefill(decoder, one, continues=True, steps=3)
+    key = (prefill_bucket(420), (0, 2), None, AFTER)
+    assert key not in decoder._wanted  # the prefill's guess: a next turn of about 100 new rows
+    decoder.turn_ended(320)
+    assert key in decoder._wanted
+    decoder.turn_ended(320)  # once a turn: nothing left to want again
+    decoder.capture_deferred(lambda: False)
+    assert key in decoder._prefill_graphs
+    got = _prefill(decoder, two, continues=True)
+    assert decoder.last_prefill == "reused_graph"
+    _assert_same(got, want)
+
+
 def test_a_turn_whose_mask_would_be_too_large_prefills_its_rows_eagerly(engine, decoder, monkeypatch):
     """A continued prefill's graph holds a mask of (query heads of a group x rows x cache positions): past
     AFTER_MASK_MAX the new rows go the eager way (no mask), with the same results, and no such graph is wanted."""

@@ -23,6 +23,7 @@ import websockets.sync.client as ws_client
 from speech_kit import pcm16, silence, speak
 from websockets.exceptions import ConnectionClosed
 
+from orin.components import CODE2WAV_FIRST_CHUNK
 from orin.contract import GenerationRequest
 from orin.media import synth_image
 from orin.realtime.audio import Upsampler, decode, g711_table
@@ -229,13 +230,15 @@ def test_truncate_keeps_the_transcript_of_what_was_heard(srv, engine):
         conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=total_ms + 50)
         error = rt.until(conn, "error")
         assert error.error.param == "audio_end_ms"
-        # The first audio chunk is code2wav's first 4 codec frames (orin.components), which speak the first 4 tokens.
+        # The first audio chunk is code2wav's first chunk of codec frames (orin.components.CODE2WAV_FIRST_CHUNK),
+        # which speak as many first tokens.
+        first_frames = CODE2WAV_FIRST_CHUNK
         conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=first_ms)
         truncated = rt.until(conn, "conversation.item.truncated")
         assert (truncated.item_id, truncated.content_index, truncated.audio_end_ms) == (item_id, 0, first_ms)
         conn.conversation.item.retrieve(item_id=item_id)
         item = rt.until(conn, "conversation.item.retrieved").item
-        assert item.content[0].transcript == engine.tokenizer.decode(tokens[:4], skip_special_tokens=True)
+        assert item.content[0].transcript == engine.tokenizer.decode(tokens[:first_frames], skip_special_tokens=True)
         conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=0)
         rt.until(conn, "conversation.item.truncated")
         conn.conversation.item.retrieve(item_id=item_id)
