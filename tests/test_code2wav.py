@@ -11,7 +11,7 @@ from module_oracle import assert_same_tree, checkpoint_state, random_state
 from orin import components as C
 from orin.code2wav import Code2Wav
 from orin.modelcfg import load_config, read_config_dict
-from orin.vocoder import chunk_count, chunk_frames
+from orin.vocoder import chunk_count, chunk_frames, every_shape_frames
 
 ATOL = 1e-5
 PREFIX = "code2wav."
@@ -126,6 +126,9 @@ def test_chunk_schedule_doubles_to_a_few_recurring_shapes():
     assert shapes == {1, 3, 7, 15, 31, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
     assert len(shapes) <= GRAPHS_KEPT  # every shape keeps its graph
     assert [chunk_count(n) for n in (1, 2, 3, 4, 63, 64, 95, 96)] == [1, 2, 2, 3, 6, 7, 7, 8]
+    # a warm-up speaking every_shape_frames meets them all (the server's, the benchmark's)
+    assert every_shape_frames() == 32 and _recurring_shapes(every_shape_frames()) == shapes
+    assert _recurring_shapes(every_shape_frames() - 1) != shapes
 
 
 def test_tables_and_masks_are_cached_per_length(tiny_pair):

@@ -4,7 +4,8 @@ through HF transformers' BF16 `generate(return_audio=True)` in one process, side
 The standard request is one user turn with an image, an audio clip and a short instruction, answered with a
 fixed number of text tokens and speech frames (EOS ignored on both sides, so both do the same work;
 orin.devtools.bench_config). Each all-resident engine (one per torch.compile setting) gets an unmeasured
-warm-up request first (kernels, the CUDA graphs) that is cancelled after its first audio packet; its load time
+warm-up request first (kernels, the CUDA graphs) that is cancelled once its audio has met every code2wav chunk
+shape; its load time
 is reported separately (orin.devtools.bench_engine). The HF reference gets a short warm-up generate
 (orin.devtools.bench_hf).
 

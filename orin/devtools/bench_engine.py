@@ -3,11 +3,11 @@ per torch.compile setting) and time-sliced (one engine per budget), through its 
 orin.contract's events and Report, the loader's residency, an observer for the stages).
 
 Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
-warm-up request (kernels, CUDA graphs, compilation) cancelled after its first audio packet, the measured
+warm-up request (kernels, CUDA graphs, compilation) cancelled once its audio has met every code2wav chunk
+shape (warm_chunks), the measured
 request, and three short requests for TTFT. On CUDA the kernel timings (orin.devtools.bench_kernels) and, for
 the last setting, a torch.profiler pass over a short request follow. The video cases (orin.devtools.bench_config)
-run on the first setting's engine: each gets its own warm-up (cancelled after the first audio packet: the long
-prefill's shapes) and one measured request."""
+run on the first setting's engine: each gets its own warm-up (cancelled as above: the long prefill's shapes) and one measured request."""
 
 from __future__ import annotations
 
@@ -50,8 +50,16 @@ def open_engine(cfg: BenchConfig, model_dir: str, budget: int | None, compile: b
                                packed_cache=resolve_dir(cfg.packed_cache, model_dir)), observer=observer)
 
 
-def stream_request(engine, request, cancel_after_audio: bool = False) -> Streamed:
-    """Run one request to its Done; a warm-up is cancelled once its first audio packet is out."""
+def warm_chunks() -> int:
+    """Audio chunks after which a warm-up is cancelled: those of orin.vocoder.every_shape_frames, so the measured
+    request meets no code2wav shape for the first time (a warm-up cut at its first packet left five of six)."""
+    from ..vocoder import chunk_count, every_shape_frames
+
+    return chunk_count(every_shape_frames())
+
+
+def stream_request(engine, request, cancel_after_chunks: int = 0) -> Streamed:
+    """Run one request to its Done, or cancel it once `cancel_after_chunks` audio chunks are out (0: never)."""
     from ..contract import AudioChunk, Done
 
     cancel = threading.Event()
@@ -60,7 +68,7 @@ def stream_request(engine, request, cancel_after_audio: bool = False) -> Streame
     for event in engine.stream(request, cancel):
         if isinstance(event, AudioChunk):
             chunks += 1
-            if cancel_after_audio:
+            if cancel_after_chunks and chunks >= cancel_after_chunks:
                 cancel.set()
         elif isinstance(event, Done):
             report = event.report
@@ -122,7 +130,7 @@ def _load_all(engine) -> dict:
 
 def _measure_resident(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, loaded: dict, log_fn) -> dict:
     t0 = time.perf_counter()
-    warm = stream_request(engine, bench_request(cfg, inputs), cancel_after_audio=cfg.audio_frames > 0)
+    warm = stream_request(engine, bench_request(cfg, inputs), cancel_after_chunks=warm_chunks())
     warm_s = time.perf_counter() - t0
     log_fn(f"[{name}] warm-up {warm_s:.1f} s (ttft {warm.report.ttft_s or 0:.3f} s)")
     report = stream_request(engine, bench_request(cfg, inputs)).report
@@ -199,14 +207,15 @@ def phase_peaks(device):
 
 
 def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) -> dict:
-    """One video case on an all-resident engine: a warm-up cancelled after its first audio packet (the prompt's
-    shapes, new to the engine), then the measured request. Peak: the allocator's, reset before the request."""
+    """One video case on an all-resident engine: a warm-up (the prompt's shapes, new to the engine) cancelled
+    once its audio has met every code2wav shape, then the measured request. Peak: the allocator's, reset before
+    the request."""
     import torch
 
     cuda = engine.device.type == "cuda"
     counts = prompt_counts(engine.prepare(bench_request(cfg, case.inputs)))
     t0 = time.perf_counter()
-    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_audio=cfg.audio_frames > 0)
+    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks())
     warm_s = time.perf_counter() - t0
     free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
     if cuda:
@@ -223,7 +232,7 @@ def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) 
     summary["decoders"] = engine.decoder_stats()
     if cuda and cfg.profile:  # where the device time to the first audio packet goes (encoders, both prefills)
         summary["profile_to_first_audio"] = _attempt("profile", lambda: profile_once(
-            lambda: stream_request(engine, bench_request(cfg, case.inputs), cancel_after_audio=True)))
+            lambda: stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1)))
     log_fn(f"[{case.name} {name}] {counts['prompt_tokens']} prompt tokens ({counts['video_tokens']} video, "
            f"{counts['audio_tokens']} audio): encode {summary['encode_s'] or 0:.2f} s, prefill "
            f"{summary['prefill_s'] or 0:.2f} s, ttft {summary['ttft_s'] or 0:.2f} s, first audio "

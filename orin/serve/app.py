@@ -212,12 +212,14 @@ class Server:
         (the padded audio batch's attention, the FFTs of the features) and segment loading. Returns its report."""
         from ..contract import GenerationRequest
         from ..media import synth_image, synth_speechlike
+        from ..vocoder import every_shape_frames
 
         start = time.perf_counter()
         parts = [{"type": "audio", "audio": synth_speechlike(1.0)}, {"type": "audio", "audio": synth_speechlike(0.6)},
                  {"type": "image", "image": synth_image(64)}, {"type": "text", "text": "Hello."}]
+        # speech long enough for every chunk shape code2wav decodes (orin.vocoder), whatever the text's length
         req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=4, speech=True,
-                                max_audio_frames=8)
+                                max_audio_frames=every_shape_frames(), ignore_eos=True)
         with self.gate.turn():
             _text, _audio, report = self.engine.generate(req)
         log.info("warm-up done in %.2f s (ttft %.3f s)", time.perf_counter() - start, report.ttft_s or 0.0)
