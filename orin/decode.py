@@ -150,9 +150,9 @@ class StaticDecoder:
         # reused_graph or reused_deferred (eager, padded as its graph will be)
         self.last_prefill: str | None = None
         self._held: _Held | None = None  # the last prompt, where a next turn may read its rows from the cache
-        # a conversation's last prefill: its new rows and its continued-prefill graph key and input specs, for
-        # turn_ended() to want the next turn's bucket once the answer's length is known
-        self._turn: tuple[int, tuple, dict] | None = None
+        # a conversation's last prefill: its continued-prefill graph key and input specs, for turn_ended() to
+        # want the next turn's bucket once the answer's length is known
+        self._turn: tuple[tuple, dict] | None = None
 
     @property
     def captures(self) -> int:
@@ -348,7 +348,7 @@ class StaticDecoder:
             inputs = self._after_inputs(x, cos[0], sin[0], rest, shared, Rb)
             key = (Rb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None, AFTER)
             if self.defer and key[2] is None:
-                self._turn = (R, key, {k: _meta(v) for k, v in inputs.items()})
+                self._turn = (key, {k: _meta(v) for k, v in inputs.items()})
             if self.defer and key not in self._prefill_graphs:
                 self._want(R, key, inputs)
                 logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
@@ -377,19 +377,19 @@ class StaticDecoder:
         meta["mask"] = torch.empty((1, 1, rep * Tb, self.max_len), dtype=torch.bool, device="meta")
         key = (Tb, record, None, AFTER)
         self._want(T, key, meta)
-        self._turn = (T, key, meta)
+        self._turn = (key, meta)
 
-    def turn_ended(self, generated: int) -> None:
-        """A conversation's answer is done, `generated` tokens long: want the continued-prefill buckets of a next
-        turn of that answer and a question about as long as this turn's new rows, captured while the user listens
-        and speaks. At the prefill only this turn's own length was known: a first turn of 140 rows wanted
-        buckets around 140, and the second turn's 530 new rows (an answer of 390 and a question) ran eagerly,
-        0.1 s slower than its graph (run 30)."""
+    def turn_ended(self, next_rows: int) -> None:
+        """A conversation's answer is done: want the continued-prefill buckets of a next turn of about
+        `next_rows` new rows (Engine: the answer and a question as long as this one), captured while the user
+        listens and speaks. At the prefill only this prompt's length was known, and a first turn wanted buckets
+        about as long as itself, system prompt included: the second turn's new rows ran eagerly, 0.1-0.2 s
+        slower than their graph (runs 30-31)."""
         if self._turn is None or not self.defer:
             return
-        rows, key, meta = self._turn
+        key, meta = self._turn
         self._turn = None
-        self._want(generated + rows, key, meta)
+        self._want(next_rows, key, meta)
 
     def _after_inputs(self, x, cos, sin, rest, shared: int, Rb: int) -> dict:
         """A continued prefill's graph inputs: its R rows padded to Rb, their cache positions from `shared` on,

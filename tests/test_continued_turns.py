@@ -134,9 +134,8 @@ def test_a_turns_new_rows_replay_their_own_graph_once_captured(engine, decoder):
 
 def test_an_ended_turn_wants_the_bucket_of_its_answer_and_a_question(engine, decoder):
     """At a turn's prefill only its own length is known, and it wants a next turn about as long. Once the answer
-    is done (Engine calls turn_ended with its length) the next turn's new rows are that answer and a question
-    about as long as this turn's: their bucket is wanted, captured while idle and replayed, with a whole
-    prefill's results, where the prefill's guess had missed it."""
+    is done, turn_ended is told the next turn's likely new rows: their bucket is wanted, captured while idle and
+    replayed, with a whole prefill's results, where the prefill's guess had missed it."""
     from orin.decode import AFTER, prefill_bucket
 
     one, two = _turns(engine, 100, 420, seed=4)
@@ -146,9 +145,13 @@ def test_an_ended_turn_wants_the_bucket_of_its_answer_and_a_question(engine, dec
     _prefill(decoder, one, continues=True, steps=3)
     key = (prefill_bucket(420), (0, 2), None, AFTER)
     assert key not in decoder._wanted  # the prefill's guess: a next turn of about 100 new rows
-    decoder.turn_ended(320)
+    decoder.turn_ended(420)
     assert key in decoder._wanted
-    decoder.turn_ended(320)  # once a turn: nothing left to want again
+    decoder._wanted.clear()
+    decoder.turn_ended(420)  # once a turn
+    assert not decoder._wanted
+    _prefill(decoder, one, continues=True, steps=3)
+    decoder.turn_ended(420)
     decoder.capture_deferred(lambda: False)
     assert key in decoder._prefill_graphs
     got = _prefill(decoder, two, continues=True)
@@ -201,6 +204,37 @@ def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
     assert "prefill_reused" not in report_w.timeline_s
     assert report_c.token_ids == report_w.token_ids and text_c == text_w
     assert frames_c == frames_w
+
+
+def test_a_conversations_second_turn_replays_the_bucket_its_first_answer_wanted(engine, decoder):
+    """Through the engine: once a turn's answer is done, the next turn's new rows (that answer, then a user turn
+    as long as this one) are predicted from the prompt and the answer's length, and their bucket is captured while
+    idle, so the second turn replays a graph; the first turn's prefill had only wanted buckets as long as itself
+    (its system prompt included), which the second turn's rows outgrow here."""
+    from orin.contract import Done, GenerationRequest, TextDelta
+    from orin.decode import PREFILL_LOOKAHEAD, prefill_bucket
+    from orin.media import synth_speechlike
+
+    first = [{"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(6.0, seed=3)},
+                                          {"type": "text", "text": "What did you hear?"}]}]
+
+    def run(messages):
+        req = GenerationRequest(messages=tuple(messages), max_new_tokens=120, max_audio_frames=4, continues=True,
+                                ignore_eos=True)
+        events = list(engine.stream(req))
+        report = next(e.report for e in events if isinstance(e, Done))
+        return "".join(e.text for e in events if isinstance(e, TextDelta)), report
+
+    text, one = run(first)
+    engine.capture_deferred(lambda: False)
+    second = [*first, {"role": "assistant", "content": text},
+              {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(6.0, seed=4)},
+                                           {"type": "text", "text": "And now?"}]}]
+    _, two = run(second)
+    # past the buckets the first prefill wanted (its own length and up to PREFILL_LOOKAHEAD/2 more)
+    assert prefill_bucket(two.prompt_tokens - one.prompt_tokens) > prefill_bucket(one.prompt_tokens
+                                                                                 + PREFILL_LOOKAHEAD // 2)
+    assert decoder.last_prefill == "reused_graph"
 
 
 def test_a_failed_idle_capture_leaves_nothing_to_read(engine, decoder):
