@@ -353,7 +353,7 @@ class Engine:
             token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.decode_end = time.perf_counter()
         if req.continues:  # a conversation's next turn: its bucket, now that the answer's length is known
-            decoder.turn_ended(self._next_turn_rows(prompt, len(state.tokens)))
+            decoder.turn_ended(self._next_turn_rows(prompt, state.tokens))
         if req.speech and not streaming:  # the talker reads the prompt's text rows from the table too
             embeddings.remember(state.tokens + prompt.input_ids.reshape(-1).tolist())
         tail = detok.flush()
@@ -375,14 +375,17 @@ class Engine:
         yield from vocoder.feed([], final=True)
         vocoder.make_resident()  # staged once per request even when no frame came (the schedule `plan` shows)
 
-    def _next_turn_rows(self, prompt, answer: int) -> int:
-        """The rows a conversation's next turn will likely prefill after this prompt's: this answer and its
-        end-of-turn tokens (<|im_end|>, a newline), then a user turn as long as this prompt's last one (from its
-        <|im_start|> to the end, the assistant's header included)."""
+    def _next_turn_rows(self, prompt, answer: list[int]) -> int:
+        """The rows a conversation's next turn will likely prefill after this prompt's: this answer as the next
+        prompt holds it (its text tokenized again: the tokens a model samples are not always those its tokenizer
+        gives the text, and a random model's decode to bytes that tokenize six times longer), its end-of-turn
+        tokens (<|im_end|>, a newline), then a user turn as long as this prompt's last one (from its <|im_start|>
+        to the end, the assistant's header included)."""
         ids = prompt.input_ids.reshape(-1).tolist()
         starts = [i for i, t in enumerate(ids) if t == self.config.im_start_token_id]
         question = len(ids) - (starts[-2] if len(starts) > 1 else 0)
-        return answer + 2 + question
+        text = self.tokenizer.decode(answer, skip_special_tokens=True)
+        return len(self.tokenizer.encode(text)) + 2 + question
 
     def _code2wav_stager(self, plan: RequestPlan, state: RequestState):
         """What the vocoder calls before each chunk: streaming, the speech side's last staging beside the
