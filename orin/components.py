@@ -82,11 +82,11 @@ def cache_positions(n: int) -> int:
     """The positions a static KV cache that must hold `n` is given."""
     return -(-max(1, n) // CACHE_GRANULE) * CACHE_GRANULE
 
-# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 1,024 tokens'
-# worth at the thinker's top-8, 59 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
-# four times as many (each expert still gets a hundred rows or more). Half of run 29's 16,384: the MoE's working
-# memory is the 2 fps video prefill's peak, beside the deepstack levels not yet added.
-LONG_MOE_BLOCK_ROWS = 8192
+# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
+# worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
+# twice as many (each expert still gets a hundred rows or more). Half as many (run 34) left the 2 fps video
+# prefill's peak where it was (24.02 GiB: the MoE's blocks are not what sets it) and added 1,500 launches.
+LONG_MOE_BLOCK_ROWS = 16384
 
 
 def component_of(param_name: str) -> str | None:
