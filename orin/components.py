@@ -84,7 +84,7 @@ def cache_positions(n: int) -> int:
 
 # Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
 # worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
-# twice as many (each expert still gets a hundred rows or more). Half as many (run 34) left the 2 fps video
+# twice as many (each expert still gets a hundred rows or more). Half as many (run 36) left the 2 fps video
 # prefill's peak where it was (24.02 GiB: the MoE's blocks are not what sets it) and added 1,500 launches.
 LONG_MOE_BLOCK_ROWS = 16384
 

@@ -384,7 +384,7 @@ class StaticDecoder:
         `next_rows` new rows (Engine: the answer and a question as long as this one), captured while the user
         listens and speaks. At the prefill only this prompt's length was known, and a first turn wanted buckets
         about as long as itself, system prompt included: the second turn's new rows ran eagerly, 0.1-0.2 s
-        slower than their graph (runs 30-31)."""
+        slower than their graph (runs 32-33)."""
         if self._turn is None or not self.defer:
             return
         key, meta = self._turn

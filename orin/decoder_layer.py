@@ -201,7 +201,7 @@ def _attend_after(q, k_cache, v_cache, prefix: int, spec: LayerSpec):
 SMALL_QUERY_ROWS = 64
 # Up to this many cache positions _attend_few's attention stays SDPA's one fused kernel (the code predictor's ~17
 # positions). Not further: at 4,096 the standard request's thinker (a 1,024-position cache) decoded 163-170
-# tokens/s against 226 with the GEMMs (runs 31-32 against run 23; the talker's frames/s were the same either way).
+# tokens/s against 226 with the GEMMs (runs 33-34 against run 23; the talker's frames/s were the same either way).
 FEW_ROWS_SDPA_MAX_KEYS = 256
 
 
