@@ -300,7 +300,7 @@ def _dense_weight(spec: LinearSpec, w: tuple) -> torch.Tensor:
     return dequantize_packed(w[0], w[1], spec.group) if spec.int4 else w[0]
 
 
-def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int):
+def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int, backend=None):
     """attention_block over a whole prompt from position 0, on cuDNN (cudnn_whole_prompt), adding into x (the
     caller's own tensor) in place. Keys and values go into the cache `chunk` rows at a time; then one KV head's
     group of query heads at a time, its queries for every row and one causal call over the whole prompt, so
@@ -308,7 +308,8 @@ def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: Laye
     52 and 206 MB: no more than the MoE's that follows). Rows are padded to C.WHOLE_PROMPT_BUCKET: the padding's
     queries come after every real row and, the mask being causal, are never attended; the cache's padding
     positions are zeroed, so no stale value meets a zero weight. The projections, norms and rotary embedding are
-    attention_block's, row for row."""
+    attention_block's, row for row. `backend`: SDPA's (None: cuDNN's, the reason this path exists; the CPU tests
+    pass the math one, so the path is checked where no GPU is)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     T = x.shape[0]
@@ -337,7 +338,7 @@ def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: Laye
                 h = F.pad(h, (0, spec.q.k_run - spec.q.k))
             qg = _rms(F.linear(h, wg, bg).view(e - s, rep, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
             q[0, :, s:e] = _rope(qg, cos[s:e], sin[s:e])
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        with sdpa_kernel([backend or SDPBackend.CUDNN_ATTENTION]):
             att = F.scaled_dot_product_attention(q, k_cache[:, g:g + 1, :padded], v_cache[:, g:g + 1, :padded],
                                                  is_causal=True, scale=spec.scaling, enable_gqa=True)
         out[:, cols] = att[0, :, :T].transpose(0, 1).reshape(T, rep * hd)

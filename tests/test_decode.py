@@ -191,3 +191,38 @@ def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms, monkey
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     k_cache[:, :, upto + 1:] = 1e4  # garbage past the mask
     torch.testing.assert_close(dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25), got)
+
+
+def test_whole_prompt_attention_equals_the_chunks(engine):
+    """A long prompt's attention whole, one KV group at a time (attention_block_long: cuDNN's on Hopper, run
+    here with SDPA's math kernel, so the path is checked without a GPU) against the chunks that run elsewhere,
+    on the tiny thinker's INT4 layer: the same layer output and cache rows, with rows padded to the bucket and the
+    cache's stale positions (NaN here) never read into a real row."""
+    from torch.nn.attention import SDPBackend
+
+    import orin.decoder_layer as dl
+
+    engine.loader.ensure("thinker_text")
+    layer = engine.model.thinker.model.language_model.layers[0]
+    spec, w = dl.layer_weights(layer, torch.device("cpu"))
+    dtype = w["ln1"].dtype
+    gen = torch.Generator().manual_seed(8)
+    T, chunk, cache = 300, 128, 1100  # three chunks, the last a short one; padded to 1,024 rows
+    x = torch.randn((T, spec.hidden), generator=gen).to(dtype)
+    angles = torch.rand((T, spec.head_dim // 2), generator=gen) * T
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    pos = torch.arange(cache)
+    shape = (1, spec.kv_heads, cache, spec.head_dim)
+    k1, v1 = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    k2, v2 = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
+    with torch.inference_mode():
+        want = x.clone()
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            want[s:e] = dl.attention_block(want[s:e], cos[s:e], sin[s:e], None, pos[s:e], k1, v1, w, spec, prefix=s)
+        got = dl.attention_block_long(x.clone(), cos, sin, pos, k2, v2, w, spec, chunk, backend=SDPBackend.MATH)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(k2[:, :, :T], k1[:, :, :T])
+    torch.testing.assert_close(v2[:, :, :T], v1[:, :, :T])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got - x, want - x, atol=tol, rtol=tol)  # the attention's own contribution
