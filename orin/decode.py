@@ -452,7 +452,11 @@ class StaticDecoder:
         for i, (spec, w) in enumerate(layers):
             if not owned:
                 x, owned = x.clone(), True
-            if whole:
+            # While deepstack levels wait to be added (a video's first layers; 0.27 GiB at 2 fps) the prefill's peak
+            # is here: these layers take the leaner variants, the attention in chunks (no whole-prompt output
+            # buffer) and MoE blocks of half the rows.
+            lean = visual is not None and i < len(visual[1])
+            if whole and not lean:
                 x = attention_block_long(x, cos, sin, self.positions, self.k_cache[i], self.v_cache[i], w, spec,
                                          chunk)
             else:
@@ -462,7 +466,7 @@ class StaticDecoder:
                     e = min(T, s + chunk)
                     x[s:e] = attention_block(x[s:e], cos[s:e], sin[s:e], None, self.positions[s:e],
                                              self.k_cache[i], self.v_cache[i], w, spec, prefix=s)
-            x = mlp_block_long(x, w, spec, chunk)
+            x = mlp_block_long(x, w, spec, chunk, C.LONG_MOE_BLOCK_ROWS // 2 if lean else None)
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(layers) else x
                 owned = i + 1 == len(layers)

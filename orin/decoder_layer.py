@@ -395,11 +395,11 @@ def mlp_block(x, w: dict, spec: LayerSpec):
     return x + _moe(h, spec, w)
 
 
-def mlp_block_long(x, w: dict, spec: LayerSpec, chunk: int):
+def mlp_block_long(x, w: dict, spec: LayerSpec, chunk: int, max_rows: int | None = None):
     """mlp_block over a whole long prompt, adding into x (the caller's own tensor) in place: the router and the
     experts see every row at once, so each expert's INT4 weights are dequantized once per layer
-    (Int4Experts.add_long), not once per chunk of rows; a dense MLP and the shared expert go `chunk` rows at a
-    time."""
+    (Int4Experts.add_long, its token-expert rows `max_rows` at a time: None, C.LONG_MOE_BLOCK_ROWS), not once per
+    chunk of rows; a dense MLP and the shared expert go `chunk` rows at a time."""
     T = x.shape[0]
     if spec.mlp == "dense" or not hasattr(w.get("experts_module"), "add_long"):
         for s in range(0, T, chunk):
@@ -414,7 +414,7 @@ def mlp_block_long(x, w: dict, spec: LayerSpec, chunk: int):
             shared = _linear(F.silu(_linear(hs, g, w["shared_gate"])) * _linear(hs, u, w["shared_up"]), d,
                              w["shared_down"])
             x[s:s + chunk] += torch.sigmoid(F.linear(hs, w["shared_expert_gate"])) * shared
-    w["experts_module"].add_long(h, top_i, top_w, x)
+    w["experts_module"].add_long(h, top_i, top_w, x, max_rows=max_rows)
     return x
 
 

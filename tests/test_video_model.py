@@ -142,7 +142,7 @@ def _features(engine, inputs, prompt):
     th = engine.thinker
     audio = th.encode_audio(inputs, prompt) if prompt.has_audio else None
     image = th.encode_image(inputs, prompt) if prompt.has_image else None
-    return audio, image, th.encode_video(prompt)
+    return audio, image, th.encode_video(prompt) if prompt.has_video else None
 
 
 def test_video_is_encoded_a_few_grids_at_a_time(engine, clip_video, monkeypatch):
@@ -294,3 +294,58 @@ def test_long_prompt_path_gives_the_same_answer(engine, clip_video, monkeypatch)
     for i in states_s:
         torch.testing.assert_close(states_l[i], states_s[i], atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.parametrize("video", [True, False])
+def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine, clip_video, monkeypatch, video):
+    """The long prefill as it runs on Hopper (each layer's attention whole, attention_block_long; here with SDPA's
+    math kernel in cuDNN's place, on CPU) gives the one-pass prefill's logits and the talker's hidden states. The
+    layers before every deepstack level is added (a video's first ones, the prefill's memory peak) take the
+    leaner variants, the attention in chunks and MoE blocks of half the rows: all of the tiny thinker's two with a
+    video, none without."""
+    from torch.nn.attention import SDPBackend
+
+    import orin.components as components
+    import orin.decode as decode
+    import orin.decoder_layer as dl
+    from orin.int4_experts import Int4Experts
+    from orin.media import synth_speechlike
+
+    messages = _messages(clip_video, audio=True) if video else [
+        {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(3.0, seed=5)},
+                                     {"type": "text", "text": "What did you hear?"}]}]
+    req = GenerationRequest(messages=tuple(messages), max_new_tokens=6, max_audio_frames=20)
+    prompt = engine.prepare(req)
+    inputs = dict(prompt.inputs)
+
+    def prefill():
+        with torch.inference_mode():
+            merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
+            return engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)[1:]
+
+    _collect(engine, req)  # every component resident, as a request leaves them
+    states_s, logits_s = prefill()
+    whole, rows = [], []
+    real_add_long = Int4Experts.add_long
+
+    def add_long(self, *args, max_rows=None):
+        rows.append(max_rows)
+        return real_add_long(self, *args, max_rows=max_rows)
+
+    def long_attention(*args):
+        whole.append(len(rows))  # the layer it runs in: the MoE blocks recorded before it
+        return dl.attention_block_long(*args, backend=SDPBackend.MATH)
+
+    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)
+    monkeypatch.setattr(decode, "cudnn_whole_prompt", lambda device: True)
+    monkeypatch.setattr(decode, "attention_block_long", long_attention)
+    monkeypatch.setattr(Int4Experts, "add_long", add_long)
+    states_l, logits_l = prefill()
+    layers = len(engine.model.thinker.model.language_model.layers)
+    if video:
+        assert rows == [components.LONG_MOE_BLOCK_ROWS // 2] * layers and whole == []
+    else:
+        assert rows == [None] * layers and whole == list(range(layers))
+    torch.testing.assert_close(logits_l, logits_s, atol=1e-4, rtol=1e-4)
+    for i in states_s:
+        torch.testing.assert_close(states_l[i], states_s[i], atol=1e-4, rtol=1e-4)
