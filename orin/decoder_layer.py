@@ -318,10 +318,8 @@ def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: Laye
     padded = min(k_cache.shape[2], -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET)
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        h = _rms(x[s:e], w["ln1"], spec.eps)
-        k = _rms(_linear(h, spec.k, w["k"]).view(e - s, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
-        v = _linear(h, spec.v, w["v"]).view(e - s, kv, hd).transpose(0, 1)
-        k_cache.index_copy_(2, pos[s:e], _rope(k, cos[s:e], sin[s:e]).unsqueeze(0))
+        k, v = _keys_values(_rms(x[s:e], w["ln1"], spec.eps), cos[s:e], sin[s:e], w, spec)
+        k_cache.index_copy_(2, pos[s:e], k.unsqueeze(0))
         v_cache.index_copy_(2, pos[s:e], v.unsqueeze(0))
     k_cache[:, :, T:padded].zero_()
     v_cache[:, :, T:padded].zero_()
@@ -333,6 +331,7 @@ def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: Laye
         q = x.new_zeros((1, rep, padded, hd))
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
+            # normed again per group: a whole-prompt copy would sit beside `out` at the prefill's peak
             h = _rms(x[s:e], w["ln1"], spec.eps).to(wg.dtype)
             if spec.q.k_run > spec.q.k:
                 h = F.pad(h, (0, spec.q.k_run - spec.q.k))
@@ -358,16 +357,22 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
     return mlp_block(attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w, spec, prefix), w, spec)
 
 
+def _keys_values(h, cos, sin, w: dict, spec: LayerSpec):
+    """The keys (normed, rotated) and values [kv_heads, T, head_dim] of T normed rows h."""
+    T, hd, kv = h.shape[0], spec.head_dim, spec.kv_heads
+    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+    return _rope(k, cos, sin), _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
+
+
 def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):
     """The layer's first half (decoder_layer's arguments): x plus its attention's output."""
     T = x.shape[0]
     hd, kv = spec.head_dim, spec.kv_heads
     rep = spec.heads // kv
     h = _rms(x, w["ln1"], spec.eps)
-    q = _rms(_linear(h, spec.q, w["q"]).view(T, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
-    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
-    v = _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q = _rope(_rms(_linear(h, spec.q, w["q"]).view(T, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1),
+              cos, sin)
+    k, v = _keys_values(h, cos, sin, w, spec)
     if mask is not None and rep * T <= SMALL_QUERY_ROWS:
         att = _attend_few(q.reshape(kv, rep * T, hd), k, v, pos, k_cache, v_cache, mask[0], spec.scaling)
         return x + _linear(att.view(kv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, spec.heads * hd), spec.o, w["o"])

@@ -5,8 +5,7 @@ The standard request is one user turn with an image, an audio clip and a short i
 fixed number of text tokens and speech frames (EOS ignored on both sides, so both do the same work;
 orin.devtools.bench_config). Each all-resident engine (one per torch.compile setting) gets an unmeasured
 warm-up request first (kernels, the CUDA graphs) that is cancelled once its audio has met every code2wav chunk
-shape; its load time
-is reported separately (orin.devtools.bench_engine). The HF reference gets a short warm-up generate
+shape; its load time is reported separately (orin.devtools.bench_engine). The HF reference gets a short warm-up generate
 (orin.devtools.bench_hf).
 
 Figures per run: weight bytes, peak GPU memory (the allocator's peak during the request; weights included),

@@ -4,10 +4,10 @@ orin.contract's events and Report, the loader's residency, an observer for the s
 
 Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
 warm-up request (kernels, CUDA graphs, compilation) cancelled once its audio has met every code2wav chunk
-shape (warm_chunks), the measured
-request, and three short requests for TTFT. On CUDA the kernel timings (orin.devtools.bench_kernels) and, for
-the last setting, a torch.profiler pass over a short request follow. The video cases (orin.devtools.bench_config)
-run on the first setting's engine: each gets its own warm-up (cancelled as above: the long prefill's shapes) and one measured request."""
+shape (warm_chunks), the measured request, and three short requests for TTFT. On CUDA the kernel timings
+(orin.devtools.bench_kernels) and, for the last setting, a torch.profiler pass over a short request follow. The
+video cases (orin.devtools.bench_config) run on the first setting's engine: each gets its own warm-up (cancelled
+as above: the long prefill's shapes) and one measured request."""
 
 from __future__ import annotations
 
