@@ -4,8 +4,8 @@ pinned staging buffer, copied to the device in one transfer, and cut into the te
 The loader's INT4 experts are ~55,000 small tensors for the real thinker (a few hundred KB each); read one at a
 time (safetensors' get_tensor: a pageable copy and its synchronisation each) they held the swap-in to ~2 GB/s
 where the same host moves a file to the GPU at 5+ GB/s. A batch of experts is stored contiguously (quantize and
-the synthetic writer write them in order), so its span is read with one `readinto` and one host-to-device copy.
-The tensors returned are views of the device block: a consumer that keeps one past the load must copy it (the
+the synthetic writer write them in order), so its span is read with one `read_span` (a few pieces in parallel)
+and one host-to-device copy. The tensors returned are views of the device block: a consumer that keeps one past the load must copy it (the
 INT4 modules keep only what they convert).
 
 Each loading thread stages through two pinned buffers of STAGE bytes, allocated once and used in turn: while one
@@ -16,6 +16,7 @@ the next span is read into the other. A span larger than a buffer goes through t
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,9 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 # loading thread keeps two (one filled from the file while the other's copy to the device runs), allocated once:
 # pinning them anew for every unit cost more than reading a thinker layer.
 STAGE = 64 << 20
+# A span is read in pieces of this many bytes, this many at once (orin.block_reader.read_span).
+READ_PIECE = 8 << 20
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Tensors closer than this in the file are read in one span (the bytes between them read and dropped).
 MAX_GAP = 1 << 20
 
@@ -163,10 +167,7 @@ class BlockReader:
             for run in runs:
                 lo, hi = self._span(run)
                 host = buffer[at:at + hi - lo]
-                f.seek(self.base + lo)
-                got = f.readinto(memoryview(host.numpy()))
-                if got != hi - lo:
-                    raise ModelError(f"{self.path}: ends early (read {got} of {hi - lo} bytes); the file is truncated")
+                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo, self.path)
                 out.append((run, host))
                 at += hi - lo
         return out
@@ -223,15 +224,12 @@ class BlockReader:
         lo, hi = self._span(run)
         block = lane.new_block(hi - lo, self.device)
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.base + lo)
             done = 0
             while done < hi - lo:
                 n = min(STAGE, hi - lo - done)
                 i = lane.take()
                 host = lane.buffers[i][:n]
-                got = f.readinto(memoryview(host.numpy()))
-                if got != n:
-                    raise ModelError(f"{self.path}: ends early (read {got} of {n} bytes); the file is truncated")
+                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo + done, self.path)
                 lane.copy(i, host, block[done:done + n])
                 done += n
         return block
@@ -250,6 +248,33 @@ def _cut(run: list, block: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def read_span(fd: int, view: memoryview, offset: int, path: str = "") -> None:
+    """Fill `view` with the file's bytes from `offset`, READ_PIECE bytes at a time on READ_THREADS threads at
+    once: one thread copying out of the page cache (or waiting on one NVMe request at a time) moved a thinker
+    layer at about the speed of its copy to the device; several reads in flight are what the storage delivers."""
+    pieces = [(at, min(READ_PIECE, len(view) - at)) for at in range(0, len(view), READ_PIECE)]
+
+    def piece(at: int, n: int) -> None:
+        while n:
+            got = os.preadv(fd, [view[at:at + n]], offset + at)
+            if got <= 0:
+                raise ModelError(f"{path}: ends early (read {at} bytes short of {offset + len(view)}); the file is "
+                                 "truncated")
+            at, n = at + got, n - got
+
+    if len(pieces) < 2:
+        for at, n in pieces:
+            piece(at, n)
+        return
+    for future in [_piece_pool().submit(piece, at, n) for at, n in pieces]:
+        future.result()
+
+
+@lru_cache(maxsize=1)
+def _piece_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="orin-pread")
+
+
 _THREAD: list[ThreadPoolExecutor] = []
 
 
@@ -260,4 +285,4 @@ def _reader_thread() -> ThreadPoolExecutor:
     return _THREAD[0]
 
 
-__all__ = ["STAGE", "BlockReader", "tensor_index"]
+__all__ = ["STAGE", "BlockReader", "read_span", "tensor_index"]

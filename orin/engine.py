@@ -14,6 +14,7 @@ orin.vocoder) are handed what they need; the loader owns residency, memory accou
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -59,11 +60,15 @@ class RequestPlan:
     kv: dict
     act: dict
     margin: int
-    # Prefill graphs only where the weights stay put between requests: time-sliced, each request would capture
-    # anew (four prefills' work for one replay) and the graph's memory pool is not in the budget.
-    keeps_weights: bool
+    keeps_weights: bool  # all-resident: every weight stays put
     stages: object  # orin.residency.StagePlan: the loader's stagings for this request, in order
     streaming: bool  # the talker speaks while the thinker decodes
+    # The components whose whole-input work (an encoder's pass, a decoder's prefill, code2wav's chunks) replays
+    # CUDA graphs: those whose weights stay put over a stream of such requests (all of them all-resident; time-
+    # sliced, those orin.residency's steady state never moves). A component that moves would capture anew at
+    # every request (four passes' work for one replay); the graphs' pools sit in the runtime margin, as
+    # all-resident. The decode steps replay graphs everywhere (re-captured where their weights moved).
+    graphs: tuple[str, ...] = ()
 
 
 class Engine:
@@ -252,7 +257,20 @@ class Engine:
         require_fit(verdict)
         streaming = req.speech and req.stream_speech and verdict.streaming
         stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=self.cfg.prefetch)
-        return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming)
+        graphs = verdict.needed if verdict.all_resident else self._stationary(stages, budget)
+        return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming, graphs)
+
+    def _stationary(self, stages, budget: int) -> tuple[str, ...]:
+        """The components a stream of requests like this one never moves in its steady state (orin.residency,
+        on the loader's sizes and what it holds now)."""
+        from .residency import simulate, stationary
+
+        try:
+            moves = simulate(stages.calls(), self.loader.unit_sizes(), budget,
+                             resident=self.loader.resident_units())
+        except ValueError:  # the sizes measured since the plan's estimate say otherwise: no graph is safe to keep
+            return ()
+        return stationary(moves[-1])
 
     def _stage(self, call) -> None:
         """Make the call's components resident (the loader evicts and prefetches within the budget), then tell
@@ -291,11 +309,12 @@ class Engine:
             self._stage(call)
             with self.meter.stage("encode"):
                 if "audio_encoder" in call.comps:
-                    audio_feats = self.thinker.encode_audio(inputs, prompt, graph=plan.keeps_weights)
+                    audio_feats = self.thinker.encode_audio(inputs, prompt, graph="audio_encoder" in plan.graphs)
                     state.mark("audio_encoded")
                 if "vision_encoder" in call.comps:
                     if prompt.has_image:
-                        image_feats = self.thinker.encode_image(inputs, prompt, graph=plan.keeps_weights)
+                        image_feats = self.thinker.encode_image(inputs, prompt,
+                                                                 graph="vision_encoder" in plan.graphs)
                         state.mark("image_encoded")
                     if prompt.has_video:
                         video_feats = self.thinker.encode_video(prompt)
@@ -306,14 +325,16 @@ class Engine:
         state.mark("thinker_resident")
 
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
-        # the prefill's launches take the GIL and the GPU back from a background load (orin.cuda_gate)
-        with self.meter.stage("thinker_prefill"), GATE:
+        graphs = "thinker_text" in plan.graphs
+        # An eager prefill's launches take the GIL and the GPU back from a background load (orin.cuda_gate); a
+        # replayed one is a few launches, and the speech side goes on loading beside it.
+        with self.meter.stage("thinker_prefill"), contextlib.nullcontext() if graphs else GATE:
             merged = self.thinker.merge(inputs, prompt, audio_feats, image_feats, video_feats)
             # merged holds what the prefill reads (the features in their rows, the deepstack levels joined)
             del audio_feats, image_feats, video_feats
             state.mark("merged")
             decoder, hidden_states, logits = self.thinker.prefill(merged, prompt.length + req.max_new_tokens,
-                                                                  plan.keeps_weights, req.continues)
+                                                                  graphs, req.continues)
             self.loader.set_cache_bytes(decoder.cache_bytes())
         state.mark("prefilled")
         state.mark(f"prefill_{decoder.last_prefill}")  # how it ran: StaticDecoder.last_prefill
@@ -330,7 +351,7 @@ class Engine:
         # The talker needs one of the prefill's hidden-state layers; any other is dead weight during decode.
         del hidden_states
         vocoder = Vocoder(self.model, self.device, state, self._code2wav_stager(plan, state),
-                          self.vocoder_graphs if plan.keeps_weights else None,
+                          self.vocoder_graphs if "code2wav" in plan.graphs else None,
                           self.meter.stage) if req.speech else None
         detok = Detokenizer(self.tokenizer)
         while True:
@@ -429,7 +450,7 @@ class Engine:
         talker = Talker(self.model, self.config, self.device, self.decoders, embeddings, state, prompt,
                         thinker_hidden, on_cache=self.loader.set_cache_bytes)
         with self.meter.stage("talker"):
-            talker.prefill(plan.keeps_weights)
+            talker.prefill("talker" in plan.graphs)
         state.mark("talker_prefilled")
         state.mark(f"talker_prefill_{talker.decoder.last_prefill}")
         return talker

@@ -120,8 +120,16 @@ class Loader:
                     buf_owner._buffers[name] = buf.to(device)
         self.model = model
         self._units: dict[str, list[str]] = {c: [] for c in C.NAMES}
-        for name in [n for n, _ in model.named_parameters()] + [p + "." for p in self.shells]:
+        # Each unit's parameters (owning module, attribute, name) and INT4 modules, found once: walking the whole
+        # model's parameters and naming each one's unit took 20-40 ms of every swap.
+        self._params: dict[str, list[tuple[nn.Module, str, str]]] = {}
+        for name, _ in model.named_parameters():
             unit = C.unit_of(name)
+            if unit is not None:
+                module_path, _, attr = name.rpartition(".")
+                self._params.setdefault(unit, []).append((model.get_submodule(module_path), attr, name))
+        self._shell_unit = {p: C.unit_of(p + ".") for p in self.shells}
+        for unit in [*self._params, *self._shell_unit.values()]:
             if unit is not None and unit not in self._units[C.unit_component(unit)]:
                 self._units[C.unit_component(unit)].append(unit)
         for units in self._units.values():
@@ -134,6 +142,7 @@ class Loader:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orin-prefetch")
         self._pending: dict[str, Future] = {}
+        self._mem_pool = None  # the device memory pool weights are allocated from (weights_memory)
 
     # ------------------------------------------------------------------ state
 
@@ -233,18 +242,18 @@ class Loader:
         from .int4 import Int4Linear, load_int4_module
 
         got = dict.fromkeys(units, 0)
-        shells = {p: m for p, m in self.shells.items() if C.unit_of(p + ".") in units}
+        shells = {p: m for p, m in self.shells.items() if self._shell_unit[p] in units}
         files = [source.path for source in self.ckpt.sources(component)]
         packed = 0
         if self.packed is not None:  # INT4 units with a valid packed copy: read, not converted
-            for unit in sorted({C.unit_of(p + ".") for p in shells}, key=C.unit_sort_key):
+            for unit in sorted({self._shell_unit[p] for p in shells}, key=C.unit_sort_key):
                 hit = self.packed.find(unit, files)
                 if hit is not None and self._load_packed(unit, hit, shells, got):
                     packed += 1
         shells = {p: m for p, m in shells.items() if not m.is_loaded}
         for source in self.ckpt.sources(component):
             blocks = BlockReader(source.path, self.device)
-            with source.open(self.device) as reader:
+            with _LazyReader(source, self.device) as reader:
                 modules = [(p, m) for p, m in source.int4_modules.items() if p in shells]
                 plain = [(k, fks) for k, fks in source.plain.items() if C.unit_of(k) in got]
                 batches = _plain_batches(blocks, plain)
@@ -270,14 +279,15 @@ class Loader:
                             tensors.read_ahead([])
                         load_int4_module(shell, tensors, self.device, self.dtype, name=path)
                     got[C.unit_of(path + ".")] += _module_bytes(shell)
-        missing = [n for n, p in self.model.named_parameters() if C.unit_of(n) in units and p.device.type == "meta"]
+        missing = [name for unit in units for module, attr, name in self._params.get(unit, ())
+                   if module._parameters[attr].device.type == "meta"]
         if missing:
             raise ModelError(f"the checkpoint lacks {len(missing)} tensor(s) of {component}, e.g. {missing[0]}; "
                              "re-run orin-omni quantize")
         written = 0
         if self.packed is not None:  # what was converted is kept, for the next load
-            for unit in sorted({C.unit_of(p + ".") for p in shells}, key=C.unit_sort_key):
-                modules = {p: m for p, m in shells.items() if C.unit_of(p + ".") == unit}
+            for unit in sorted({self._shell_unit[p] for p in shells}, key=C.unit_sort_key):
+                modules = {p: m for p, m in shells.items() if self._shell_unit[p] == unit}
                 written += bool(self.packed.store(unit, files, modules))
         return got, packed, written
 
@@ -285,7 +295,7 @@ class Loader:
         """Fill the unit's INT4 modules from their packed copy: its tensors read in batches (the next read
         meanwhile), taken as the modules' buffers without a copy. False where the copy does not fit the modules
         (then they stay empty, to be converted)."""
-        mine = {p for p in shells if C.unit_of(p + ".") == unit}
+        mine = {p for p in shells if self._shell_unit[p] == unit}
         if set(hit.buffers) != mine:
             log.warning("%s: the packed copy holds other modules than %s has; converting it", hit.path, unit)
             return False
@@ -310,10 +320,28 @@ class Loader:
     def _missing(self, component: str) -> list[str]:
         return [u for u in self._units[component] if u not in self._memory.resident]
 
+    def weights_memory(self):
+        """A context in which the calling thread's device allocations come from the weights' own memory pool
+        (CUDA, where torch has MemPool; elsewhere nothing changes). Kept apart from the activations and caches,
+        a pool that only ever holds weights gives a component swapped out and in again the blocks it had: a
+        stream of requests moves the same units in the same order, so they land at the same addresses and the
+        CUDA graphs captured over them stay valid. In the common pool the decode's and prefill's allocations,
+        made meanwhile on the other thread, took those blocks, and re-capturing the talker's and the code
+        predictor's steps cost 0.3-0.5 s of the 20 GiB first audio packet (BENCHMARKS.md)."""
+        if self.device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+            return contextlib.nullcontext()
+        with self._lock:
+            if self._mem_pool is None:
+                self._mem_pool = torch.cuda.MemPool()
+        # the device by its index: use_mem_pool refuses a bare "cuda"
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.use_mem_pool(self._mem_pool, index)
+
     def _load_timed(self, component: str, background: bool) -> None:
         start = time.perf_counter()
         units = self._missing(component)
-        got, packed, written = self._load_units(component, set(units))
+        with self.weights_memory():
+            got, packed, written = self._load_units(component, set(units))
         with self._lock:
             self._memory.resident.update(got)
             self._measured.update(got)
@@ -372,7 +400,7 @@ class Loader:
         for name, ref in self._release_parameters(gone):
             released.setdefault(C.component_of(name), []).append(ref)
         for path, shell in self.shells.items():
-            if C.unit_of(path + ".") in gone:
+            if self._shell_unit[path] in gone:
                 released.setdefault(C.component_of(path + "."), []).extend(
                     weakref.ref(b) for b in shell.buffers() if b is not None)
                 unload_int4_module(shell)
@@ -421,12 +449,13 @@ class Loader:
     def _release_parameters(self, units: set[str]) -> list[tuple[str, weakref.ref]]:
         """Replace the units' parameters with meta ones; weak references to the ones given up, by name."""
         released = []
-        for name, param in list(self.model.named_parameters()):
-            if C.unit_of(name) in units and param.device.type != "meta":
-                module_path, _, attr = name.rpartition(".")
-                released.append((name, weakref.ref(param)))
-                self.model.get_submodule(module_path)._parameters[attr] = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        for unit in units:
+            for module, attr, name in self._params.get(unit, ()):
+                param = module._parameters[attr]
+                if param.device.type != "meta":
+                    released.append((name, weakref.ref(param)))
+                    module._parameters[attr] = nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
         return released
 
     def stage(self, call: residency.StageCall) -> None:
@@ -470,7 +499,24 @@ class Loader:
             self._pending.pop(comp).result()
 
     def close(self) -> None:
+        """Stop the loading thread; then, where the weights have a pool of their own, give their memory back
+        now: the pool keeps its blocks while it lives, so an engine closed but not yet collected (a reference
+        cycle) held 4 GiB of reserved memory into the next engine's run (BENCHMARKS.md, run 38)."""
+        from .int4 import unload_int4_module
+
         self._pool.shutdown(wait=True)
+        if self._mem_pool is None:
+            return
+        with self._lock:
+            units = set(self._memory.resident)
+            self._memory.resident.clear()
+        self._release_parameters(units)
+        for path, shell in self.shells.items():
+            if self._shell_unit[path] in units:
+                unload_int4_module(shell)
+        self._mem_pool = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _assemble(key: str, file_keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:
@@ -533,6 +579,28 @@ def _first_read(shells: dict, module) -> list[str]:
 
 def _module_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers() if b is not None)
+
+
+class _LazyReader:
+    """A source's safetensors reader, opened on the first tensor asked for: opening one takes 60-140 ms on the
+    real checkpoint (its header, every tensor of the file), and a load from packed copies or of plain tensors
+    alone (read in blocks) asks for none."""
+
+    def __init__(self, source, device: torch.device):
+        self._source, self._device = source, device
+        self._stack = contextlib.ExitStack()
+        self._reader = None
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        if self._reader is None:
+            self._reader = self._stack.enter_context(self._source.open(self._device))
+        return self._reader.get_tensor(key)
+
+    def __enter__(self) -> _LazyReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
 
 
 class _Relative(Mapping):

@@ -481,6 +481,8 @@ class PlanResult:
     stream: list = field(default_factory=list)  # steady_state(): moves per staging of consecutive requests
 
     def to_json(self) -> dict:
+        from .residency import stationary
+
         s = self.sizes
         v = self.verdict
         return {
@@ -508,8 +510,8 @@ class PlanResult:
             },
             "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
             "schedule": [st.to_json() for st in v.schedule],
-            "stream": [{"bytes_loaded": sum(m.loaded() for m in r), "stagings": [m.to_json() for m in r]}
-                       for r in self.stream],
+            "stream": [{"bytes_loaded": sum(m.loaded() for m in r), "stagings": [m.to_json() for m in r],
+                        "graphs": list(stationary(r))} for r in self.stream],
             "all_resident_bytes": v.all_resident_bytes,
             "min_budget_bytes": v.min_budget,
             "peak_bytes": v.peak_bytes,
@@ -617,4 +619,10 @@ def _render_stream(result: PlanResult) -> list[str]:
         what = "+".join(m.call.comps) + (" (next request)" if not m.call.wait else "")
         parts = [f"{names[k]}: {moved(m, k)}" for k in ("out", "in", "ahead") if m.bytes[k]]
         lines.append(f"  {what:<44} {'; '.join(parts) or 'nothing moves'}")
+    from .residency import stationary
+
+    still = stationary(steady)
+    moving = [c for c in dict.fromkeys(c for m in steady for c in m.call.comps) if c not in still]
+    lines.append("whole-input passes (encoders, prefills, code2wav) replayed from CUDA graphs where the weights stay "
+                 f"put: {', '.join(still) or 'none'}; eager: {', '.join(moving) or 'none'}")
     return lines

@@ -191,5 +191,14 @@ def simulate_stream(requests: Sequence[Sequence[StageCall]], unit_sizes: Mapping
     return out
 
 
+def stationary(moves: Sequence[Moves]) -> tuple[str, ...]:
+    """The components a request's stagings use whose units none of its `moves` (in the steady state) loads or
+    evicts: their weights stay at the same device addresses from request to request, so a CUDA graph captured
+    over them is replayed, not captured anew."""
+    used = dict.fromkeys(c for m in moves for c in m.call.comps)
+    moved = {c for m in moves for kind in m.bytes.values() for c in kind}
+    return tuple(c for c in used if c not in moved)
+
+
 __all__ = ["Moves", "StageCall", "StagePlan", "eviction_order", "prefetch_room", "simulate",
-           "simulate_stream", "stage_plan", "to_evict"]
+           "simulate_stream", "stage_plan", "stationary", "to_evict"]

@@ -116,11 +116,16 @@ def test_bench_runs_every_side_and_writes_json(tmp_path):
     # the observer's stage trace: every stage's components resident, the peak never above the request's
     assert sliced["stage_memory"] and all(set(s["stage"]) <= set(s["resident"]) for s in sliced["stage_memory"])
     assert max(s["peak_so_far"] for s in sliced["stage_memory"]) <= sliced["peak_bytes"]
-    # two requests in a row: the first loads from nothing, the summarised one is the steady state
+    # requests in a row: the first loads from nothing, the summarised one is the steady state
     assert sliced["first_request"]["swap_in_bytes"] > 0 and sliced["first_request"]["peak_bytes"] <= 9 << 20
+    assert sliced["second_request"]["swap_in_bytes"] > 0  # three in a row: the third is the one summarised
+    assert set(sliced["steady_captures"]) == set(sliced["decoders"]) and min(sliced["steady_captures"].values()) >= 0
     assert sliced["swap_in_bytes"] > 0 and sliced["swap_in_gb_s"] > 0 and sliced["swap_out_bytes"] > 0
     storage = data["storage_bandwidth"]
-    assert storage["bytes"] > 0 and storage["warm_gb_s"] > 0
+    assert storage["bytes"] > 0 and storage["warm_gb_s"] > 0 and storage["warm_single_gb_s"] > 0
+    fraction = sliced["storage_fraction"]
+    assert fraction["warm_gb_s"] == max(storage["warm_gb_s"], storage["warm_single_gb_s"])
+    assert fraction["swap_in_gb_s"] == pytest.approx(sliced["swap_in_gb_s"] / fraction["warm_gb_s"])
     assert "kernel_timings" not in data  # CUDA only
     assert data["checkpoint"]["int4_payload_bytes"] > 0
     assert [t["target"] for t in data["targets"]][:2] == ["int4_weight_bytes", "peak_all_resident"]

@@ -113,3 +113,15 @@ def test_spans_larger_than_a_staging_buffer_and_reads_ahead_while_copying(checkp
     reader.read(["a.odd"], then=["e.weight"])
     assert reader._ahead is not None and reader._ahead[0] == frozenset(["e.weight"])
     assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
+
+
+def test_a_span_read_in_parallel_pieces_is_the_same_and_a_short_file_named(checkpoint, monkeypatch):
+    import orin.block_reader as B
+
+    path, tensors = checkpoint
+    monkeypatch.setattr(B, "READ_PIECE", 4000)  # every span in many odd-sized pieces, on the reading threads
+    got = BlockReader(path, torch.device("cpu")).read(list(tensors))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    path.write_bytes(path.read_bytes()[:-300])
+    with pytest.raises(ModelError, match="truncated"):
+        BlockReader(path, torch.device("cpu")).read(list(tensors))

@@ -302,6 +302,28 @@ def _predictor_frame(engine, seed: int):
     return predictor, past, first, codes, emb
 
 
+def test_weights_swapped_out_and_in_land_where_they_were(cuda_engine):
+    """Weights have a memory pool of their own (Loader.weights_memory): what the request allocates while a
+    component is out (here a squatter of its size, in the common pool) cannot take its blocks, so it comes back
+    at the same addresses and its decode graph is replayed, not captured again."""
+    import torch
+
+    engine = cuda_engine
+    with torch.inference_mode():
+        predictor, past, first, codes, emb = _predictor_frame(engine, seed=7)
+        captures = predictor.runner.captures
+        where = [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()]
+        engine.loader.evict("code_predictor")
+        squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
+        engine.loader.ensure("code_predictor")
+        engine.decoders.weights_may_have_moved()
+        assert [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()] == where
+        again, emb_again = predictor.run(past, first)
+        assert torch.equal(again, codes) and torch.equal(emb_again, emb)
+        assert predictor.runner.captures == captures
+        del squatter
+
+
 def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
     """Swapped out and in between two requests, the code predictor's weights land elsewhere; its frame graph must
     be re-captured, not replayed onto the freed (here: reoccupied) memory. The engine tells the decoders after
@@ -313,7 +335,9 @@ def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
         predictor, past, first, codes, emb = _predictor_frame(engine, seed=5)
         captures = predictor.runner.captures
         engine.loader.evict("code_predictor")
-        squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
+        with engine.loader.weights_memory():  # where the weights are allocated: their old blocks taken
+            squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16,
+                                  device="cuda")
         engine.loader.ensure("code_predictor")
         engine.decoders.weights_may_have_moved()
         again, emb_again = predictor.run(past, first)
@@ -340,6 +364,54 @@ def test_a_capture_waits_for_the_background_load_under_way(cuda_engine):
             engine.loader.settle()
             assert torch.equal(again, codes) and torch.equal(emb_again, emb)
         assert predictor.runner.captures == captures + 3 and engine.loader.is_resident("talker")
+
+
+def test_time_sliced_replays_graphs_over_the_weights_that_stay_and_answers_as_all_resident(cuda_engine, request):
+    """Under a budget where the thinker and the vision encoder stay and the rest moves, consecutive requests
+    replay the thinker's prefill from one graph (captured once, not again as the other components come and go)
+    and give the all-resident engine's tokens and codec frames."""
+    import torch
+
+    from orin.contract import AudioChunk, Done, GenerationRequest
+    from orin.engine import Engine, EngineConfig
+    from orin.media import synth_image, synth_speechlike
+
+    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
+    req = GenerationRequest(messages=({"role": "user", "content": [
+        {"type": "image", "image": synth_image(96, seed=3)}, {"type": "audio", "audio": synth_speechlike(1.5, seed=4)},
+        {"type": "text", "text": "What is this?"}]},), max_new_tokens=6, max_audio_frames=6, ignore_eos=True)
+
+    def outcome(engine):
+        events = list(engine.stream(req))
+        report = next(e.report for e in events if isinstance(e, Done))
+        return report, (report.token_ids, tuple(f for e in events if isinstance(e, AudioChunk) for f in e.frames))
+
+    def make(budget=None):
+        return Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", budget=budget,
+                                   verify_checksums=False, compile=False))
+
+    engine = make()
+    try:
+        verdict = engine.plan(req).verdict
+        sizes = engine.loader.sizes()
+        want = [outcome(engine)[1] for _ in range(2)][-1]
+    finally:
+        engine.close()
+    budget = verdict.all_resident_bytes - sum(sizes[c] for c in ("talker", "code_predictor", "code2wav")) + \
+        sizes["code2wav"] // 2
+    engine = make(budget)
+    try:
+        with torch.inference_mode():
+            for i in range(3):
+                graphs = engine.plan(req).graphs
+                report, got = outcome(engine)
+                assert got == want, f"request {i} differs from all-resident"
+                if i:
+                    assert "thinker_text" in graphs and "prefill_graph" in report.timeline_s, report.timeline_s
+                    assert {s.component for s in report.swaps} - set(graphs), report.swaps  # the rest moved
+        assert engine.decoders.thinker.prefill_captures == 1
+    finally:
+        engine.close()
 
 
 def test_no_two_units_share_a_device_block(cuda_engine):

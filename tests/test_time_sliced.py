@@ -181,6 +181,38 @@ def test_the_thinker_stays_while_the_speech_side_makes_room_for_the_encoders(qua
         engine.close()
 
 
+def test_graphs_are_kept_for_the_components_a_stream_never_moves(quantized_dir, reference):
+    """Whole-input passes (encoders, prefills, code2wav) replay CUDA graphs only over weights that stay put: the
+    plan names the components the steady state never moves, and over consecutive requests the loader indeed
+    moves none of them, while it does move the others (a graph over those would be captured anew each time).
+    All-resident keeps every one; at the least budget the thinker moves, so its prefill runs eagerly."""
+    plans, _ = reference
+    engine = _engine(quantized_dir)
+    sizes = engine.loader.sizes()
+    engine.close()
+    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    engine = _engine(quantized_dir, budget)
+    try:
+        for i in range(3):
+            plan = engine.plan(KINDS["av"])
+            report, _ = _outcome(engine, KINDS["av"])
+            moved = {s.component for s in report.swaps}
+            if i:
+                assert "thinker_text" in plan.graphs and "audio_encoder" not in plan.graphs, plan.graphs
+                assert moved and not moved & set(plan.graphs), (plan.graphs, report.swaps)
+    finally:
+        engine.close()
+    for budget, kept in ((plans["av"].all_resident_bytes, set(plans["av"].needed)),
+                         (plans["av"].min_budget, None)):
+        engine = _engine(quantized_dir, budget)
+        try:
+            _outcome(engine, KINDS["av"])
+            graphs = set(engine.plan(KINDS["av"]).graphs)
+            assert graphs == kept if kept else "thinker_text" not in graphs, (budget, graphs)
+        finally:
+            engine.close()
+
+
 def test_streaming_speech_joins_component_by_component_while_the_thinker_decodes(quantized_dir, reference,
                                                                                  monkeypatch):
     """Where the speech side loads behind the prefill, the talker's prefill waits for the talker alone and its
