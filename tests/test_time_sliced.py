@@ -159,16 +159,20 @@ def test_eviction_refuses_while_something_still_holds_a_tensor(quantized_dir):
         engine.close()
 
 
+def _speech_makes_room(quantized_dir, plans) -> int:
+    """All-resident less most of the speech side: the encoders fit beside the thinker once speech makes room."""
+    engine = _engine(quantized_dir)
+    sizes = engine.loader.sizes()
+    engine.close()
+    return plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+
+
 def test_the_thinker_stays_while_the_speech_side_makes_room_for_the_encoders(quantized_dir, reference):
     """The steady state of a stream of requests under a budget where the encoders fit beside the thinker once the
     speech side is out: what makes room is the speech side (needed last), not the thinker (needed next), so
     consecutive requests never reload the thinker (evicting in pipeline order reloaded it every request)."""
     plans, outcomes = reference
-    engine = _engine(quantized_dir)
-    sizes = engine.loader.sizes()
-    engine.close()
-    # all-resident less most of the speech side: the encoders fit beside the thinker once speech makes room
-    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    budget = _speech_makes_room(quantized_dir, plans)
     engine = _engine(quantized_dir, budget)
     try:
         for i in range(3):
@@ -187,10 +191,7 @@ def test_graphs_are_kept_for_the_components_a_stream_never_moves(quantized_dir, 
     moves none of them, while it does move the others (a graph over those would be captured anew each time).
     All-resident keeps every one; at the least budget the thinker moves, so its prefill runs eagerly."""
     plans, _ = reference
-    engine = _engine(quantized_dir)
-    sizes = engine.loader.sizes()
-    engine.close()
-    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    budget = _speech_makes_room(quantized_dir, plans)
     engine = _engine(quantized_dir, budget)
     try:
         for i in range(3):
@@ -226,10 +227,7 @@ def test_streaming_speech_joins_component_by_component_while_the_thinker_decodes
     from orin.decode import StaticDecoder
 
     plans, outcomes = reference
-    probe = _engine(quantized_dir)
-    sizes = probe.loader.sizes()
-    probe.close()
-    budget = plans["av"].all_resident_bytes - sum(sizes[c] for c in C.SPEECH_COMPONENTS) + sizes["code2wav"] // 2
+    budget = _speech_makes_room(quantized_dir, plans)
     seen: list[int] = []  # the thinker's decode steps made when each staging happened
     step = StaticDecoder.step
 
