@@ -5,8 +5,8 @@ The loader's INT4 experts are ~55,000 small tensors for the real thinker (a few 
 time (safetensors' get_tensor: a pageable copy and its synchronisation each) they held the swap-in to ~2 GB/s
 where the same host moves a file to the GPU at 5+ GB/s. A batch of experts is stored contiguously (quantize and
 the synthetic writer write them in order), so its span is read with one `read_span` (a few pieces in parallel)
-and one host-to-device copy. The tensors returned are views of the device block: a consumer that keeps one past the load must copy it (the
-INT4 modules keep only what they convert).
+and one host-to-device copy. The tensors returned are views of the device block: a consumer that keeps one past
+the load must copy it (the INT4 modules keep only what they convert).
 
 Each loading thread stages through two pinned buffers of STAGE bytes, allocated once and used in turn: while one
 buffer's copy runs (on a stream of its own, so a background load and the decode do not queue behind each other)
@@ -258,8 +258,8 @@ def read_span(fd: int, view: memoryview, offset: int, path: str = "") -> None:
         while n:
             got = os.preadv(fd, [view[at:at + n]], offset + at)
             if got <= 0:
-                raise ModelError(f"{path}: ends early (read {at} bytes short of {offset + len(view)}); the file is "
-                                 "truncated")
+                raise ModelError(f"{path}: ends early (nothing at byte {offset + at} of the {offset + len(view)} "
+                                 "needed); the file is truncated")
             at, n = at + got, n - got
 
     if len(pieces) < 2:

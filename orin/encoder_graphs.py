@@ -6,9 +6,9 @@ pace, and the Orin's CPU is slower. Their host-side shape logic is computed once
 and orin.vision_encoder's plans, no host sync in forward), so a shape's whole forward can be captured once and
 replayed: the request then costs one copy of its features into the graph's input buffer, one replay and one copy
 out. A capture holds its plan (the graph reads the plan's index and rotary tensors) and re-captures when the
-weights move (a swap). Used only where the weights stay put between requests (all-resident: the graph's memory
-pool sits outside the budget's accounting, as the prefill graphs' does); elsewhere, and off CUDA, the encoders
-run eagerly, with the same results.
+weights move (a swap). Used only for an encoder whose weights stay put between requests (all-resident, or one a
+time-sliced stream never moves: orin.engine.RequestPlan.graphs; the graph's memory pool sits in the runtime
+margin, as the prefill graphs' does); elsewhere, and off CUDA, the encoders run eagerly, with the same results.
 """
 
 from __future__ import annotations

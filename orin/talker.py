@@ -105,7 +105,7 @@ class Talker:
                            t.model.codec_embedding(specials)), dim=1)
         return text + codec, torch.full((text.shape[1],), cfg.tts_pad_token_id, dtype=torch.long)
 
-    def prefill(self, keeps_weights: bool) -> None:
+    def prefill(self, graph: bool) -> None:
         import torch
 
         from .positions import mrope_positions, talker_spec
@@ -130,7 +130,7 @@ class Talker:
                                            video_second_per_grid=self.prompt.video_seconds or None,
                                            audio_lengths=self.prompt.audio_lengths or None)
         res = self.decoder.prefill(embeds[0], positions.to(self.device), int(embeds.shape[1]) + req.frame_cap + 2,
-                                   rope_delta=int(delta.reshape(-1)[0]), graph=keeps_weights,
+                                   rope_delta=int(delta.reshape(-1)[0]), graph=graph,
                                    continues=req.continues)
         self._after_forward(res.logits, res.hidden)
 

@@ -162,10 +162,11 @@ class Thinker:
                                            audio_lengths=prompt.audio_lengths or None)
         return embeds, positions.to(self.device), int(delta.reshape(-1)[0]), visual
 
-    def prefill(self, merged, max_len: int, keeps_weights: bool, continues: bool = False):
+    def prefill(self, merged, max_len: int, graph: bool, continues: bool = False):
         """The merged prompt through the thinker: (its decoder, holding the prompt's KV cache; the hidden states
         {HF index: [1, T, H]} the talker reads; the last position's logits). The talker's layer is always
-        recorded, so text-only and speech requests share a prefill graph. `continues`: a
+        recorded, so text-only and speech requests share a prefill graph. `graph`: the thinker's weights stay
+        put (StaticDecoder.prefill). `continues`: a
         conversation's next turn (StaticDecoder.prefill). The merged embeddings are the prefill's to overwrite
         (a long prompt's are, where it holds nothing for a next turn)."""
         embeds, position_ids, delta, visual = merged
@@ -173,7 +174,7 @@ class Thinker:
         record = (talker.accept_hidden_layer,) if talker is not None else ()
         dec = self.decoders.thinker
         out = dec.prefill(embeds[0], position_ids, max_len, record=record, visual=visual, rope_delta=delta,
-                          graph=keeps_weights, continues=continues)
+                          graph=graph, continues=continues)
         return dec, out.states, out.logits
 
     @staticmethod

@@ -92,7 +92,7 @@ def engine_logits(engine):
     ids, mask = prompt.input_ids, prompt.inputs["attention_mask"]
     with torch.inference_mode():
         merged = engine.thinker.merge(prompt.inputs, prompt, None, None)
-        _, _, last = engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)
+        _, _, last = engine.thinker.prefill(merged, prompt.length + 1, graph=False)
         every = hf_twin(engine.model, engine.cfg.model_dir).thinker(input_ids=ids, attention_mask=mask).logits
     return {"ids": ids, "mask": mask, "last": last.float().reshape(-1), "every": every.float()}
 

@@ -127,7 +127,7 @@ def test_video_request_matches_transformers(engine, clip_video, media):
             thinker_eos_token_id=engine.config.im_end_token_id)
         hf_out = model.thinker(**inputs, use_audio_in_video=True)
         merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
-        _, _, logits = engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)
+        _, _, logits = engine.thinker.prefill(merged, prompt.length + 1, graph=False)
         hf_pos, hf_delta = model.thinker.model.get_rope_index(
             inputs["input_ids"], inputs.get("image_grid_thw"), inputs["video_grid_thw"], inputs["attention_mask"],
             True, inputs["feature_attention_mask"].sum(1), inputs["video_second_per_grid"])
@@ -278,7 +278,7 @@ def test_long_prompt_path_gives_the_same_answer(engine, clip_video, monkeypatch)
         with torch.inference_mode():
             merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
             given = merged[0].clone()
-            _, states, logits = engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)
+            _, states, logits = engine.thinker.prefill(merged, prompt.length + 1, graph=False)
         return logits, states, bool(torch.equal(merged[0], given))
 
     short = _collect(engine, req), prefill()
@@ -321,7 +321,7 @@ def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine,
     def prefill():
         with torch.inference_mode():
             merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
-            return engine.thinker.prefill(merged, prompt.length + 1, keeps_weights=False)[1:]
+            return engine.thinker.prefill(merged, prompt.length + 1, graph=False)[1:]
 
     _collect(engine, req)  # every component resident, as a request leaves them
     states_s, logits_s = prefill()
