@@ -383,8 +383,6 @@ class Loader:
 
     def evict_units(self, units: list[str]) -> None:
         """Swap these units out (waiting first for a prefetch that is loading them), freeing their memory."""
-        from .int4 import unload_int4_module
-
         for comp in dict.fromkeys(C.unit_component(u) for u in units):
             pending = self._pending.pop(comp, None)
             if pending is not None:
@@ -396,14 +394,7 @@ class Loader:
         # Weak references to every tensor given up: once they are all dead, the memory is the allocator's again.
         # (Comparing memory_allocated before and after cannot tell: a prefetch thread may be loading the next
         # component meanwhile, which made a clean eviction look half-done.)
-        released: dict[str, list[weakref.ref]] = {}
-        for name, ref in self._release_parameters(gone):
-            released.setdefault(C.component_of(name), []).append(ref)
-        for path, shell in self.shells.items():
-            if self._shell_unit[path] in gone:
-                released.setdefault(C.component_of(path + "."), []).extend(
-                    weakref.ref(b) for b in shell.buffers() if b is not None)
-                unload_int4_module(shell)
+        released = self._release(gone)
         if any(ref() is not None for refs in released.values() for ref in refs):
             gc.collect()  # only where a reference cycle may hold one: a full collection costs tens of ms
         for comp, refs in released.items():
@@ -446,16 +437,24 @@ class Loader:
         sizes = self.unit_sizes()
         return sum(sizes[u] for c in comps for u in self._units[c] if u not in held)
 
-    def _release_parameters(self, units: set[str]) -> list[tuple[str, weakref.ref]]:
-        """Replace the units' parameters with meta ones; weak references to the ones given up, by name."""
-        released = []
+    def _release(self, units: set[str]) -> dict[str, list[weakref.ref]]:
+        """Give up the units' tensors: their parameters replaced with meta ones, their INT4 modules emptied. Weak
+        references to what was given up, by component."""
+        from .int4 import unload_int4_module
+
+        released: dict[str, list[weakref.ref]] = {}
         for unit in units:
             for module, attr, name in self._params.get(unit, ()):
                 param = module._parameters[attr]
                 if param.device.type != "meta":
-                    released.append((name, weakref.ref(param)))
+                    released.setdefault(C.component_of(name), []).append(weakref.ref(param))
                     module._parameters[attr] = nn.Parameter(
                         torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        for path, shell in self.shells.items():
+            if self._shell_unit[path] in units:
+                released.setdefault(C.component_of(path + "."), []).extend(
+                    weakref.ref(b) for b in shell.buffers() if b is not None)
+                unload_int4_module(shell)
         return released
 
     def stage(self, call: residency.StageCall) -> None:
@@ -502,18 +501,13 @@ class Loader:
         """Stop the loading thread; then, where the weights have a pool of their own, give their memory back
         now: the pool keeps its blocks while it lives, so an engine closed but not yet collected (a reference
         cycle) held 4 GiB of reserved memory into the next engine's run (BENCHMARKS.md, run 38)."""
-        from .int4 import unload_int4_module
-
         self._pool.shutdown(wait=True)
         if self._mem_pool is None:
             return
         with self._lock:
             units = set(self._memory.resident)
             self._memory.resident.clear()
-        self._release_parameters(units)
-        for path, shell in self.shells.items():
-            if self._shell_unit[path] in units:
-                unload_int4_module(shell)
+        self._release(units)
         self._mem_pool = None
         gc.collect()
         torch.cuda.empty_cache()
