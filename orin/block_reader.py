@@ -51,7 +51,10 @@ def tensor_index(path: str) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int
     return _tensor_index(path, st.st_size, st.st_mtime_ns)
 
 
-@lru_cache(maxsize=16)
+# One entry per file a load reads: a checkpoint segment and a packed copy per INT4 unit, ~120 at the real
+# dimensions. With 16, the talker's 21 files read in turn evicted each other, and every swap-in parsed the
+# segment's header again (0.18 s of a 0.44 s talker load, BENCHMARKS.md run 42).
+@lru_cache(maxsize=1024)
 def _tensor_index(path: str, _size: int, _mtime_ns: int):
     try:
         with open(path, "rb") as f:
@@ -90,10 +93,10 @@ class _Lane:
             self.events[i] = None
         return i
 
-    def new_block(self, size: int, device: torch.device) -> torch.Tensor:
-        """Device memory for a span: allocated on the compute stream (its memory may have been freed there by
-        kernels still queued, so the copies wait for those first)."""
-        block = torch.empty(size, dtype=torch.uint8, device=device)
+    def new_block(self, size: int, device: torch.device, alloc=None) -> torch.Tensor:
+        """Device memory for a span (from `alloc(size)` where given): allocated on the compute stream (its memory
+        may have been freed there by kernels still queued, so the copies wait for those first)."""
+        block = alloc(size) if alloc is not None else torch.empty(size, dtype=torch.uint8, device=device)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))
         return block
@@ -183,10 +186,11 @@ class BlockReader:
             self._ahead = (frozenset(names), max_gap, i, _reader_thread().submit(self._read_host, runs,
                                                                                   lane.buffers[i]))
 
-    def read(self, names, max_gap: int = MAX_GAP, then=None) -> dict[str, torch.Tensor]:
+    def read(self, names, max_gap: int = MAX_GAP, then=None, alloc=None) -> dict[str, torch.Tensor]:
         """The named tensors on the device (views of one block per run: see the module doc). `max_gap`: the
         most bytes between two tensors read as one run (0 where views must not keep other bytes alive). `then`:
-        names to read ahead (with the same `max_gap`) while this read's copy runs."""
+        names to read ahead (with the same `max_gap`) while this read's copy runs. `alloc(nbytes)`: where the
+        blocks' device memory comes from (by default torch's allocator)."""
         lane = _lane(self.device)
         key = frozenset(names)
         staged = None
@@ -203,11 +207,11 @@ class BlockReader:
                 i = lane.take()
                 staged = (i, self._read_host(runs, lane.buffers[i]))
             else:  # larger than a staging buffer: piece by piece, each piece's copy overlapping the next read
-                landing = [(run, self._read_streamed(run, lane)) for run in runs]
+                landing = [(run, self._read_streamed(run, lane, alloc)) for run in runs]
         if staged is not None:
             i, host_runs = staged
             for run, host in host_runs:
-                block = lane.new_block(host.numel(), self.device)
+                block = lane.new_block(host.numel(), self.device, alloc)
                 lane.copy(i, host, block)
                 landing.append((run, block))
         if then:
@@ -218,11 +222,11 @@ class BlockReader:
             out.update(_cut(run, block))
         return out
 
-    def _read_streamed(self, run: list, lane: _Lane) -> torch.Tensor:
+    def _read_streamed(self, run: list, lane: _Lane, alloc=None) -> torch.Tensor:
         """A run larger than a staging buffer into its device block, STAGE bytes at a time (the copies may still
         be running when this returns)."""
         lo, hi = self._span(run)
-        block = lane.new_block(hi - lo, self.device)
+        block = lane.new_block(hi - lo, self.device, alloc)
         with open(self.path, "rb", buffering=0) as f:
             done = 0
             while done < hi - lo:

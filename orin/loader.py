@@ -36,6 +36,7 @@ from .cuda_gate import GATE
 from .errors import BudgetError, ModelError
 from .hub_names import expert_part, to_runtime
 from .packed_cache import PackedCache
+from .weight_arena import Arenas, driver_for
 
 log = logging.getLogger("orin.loader")
 # Plain (BF16) tensors are read this many bytes at a time (a staging buffer's worth): one read and one device copy
@@ -65,28 +66,43 @@ def params_on_meta() -> Iterator[None]:
 @dataclass
 class MemoryTracker:
     """Peak memory of a request. On CUDA it is the allocator's own measurement (weights, KV cache and
-    activations). On CPU torch keeps no allocator statistics, so it is the exact byte count of the tensors the
-    engine holds: resident weights plus the KV cache."""
+    activations) plus the weights mapped outside it (orin.weight_arena; their peak and the allocator's are added,
+    which can only overstate). On CPU torch keeps no allocator statistics, so it is the exact byte count of the
+    tensors the engine holds: resident weights plus the KV cache."""
 
     device: torch.device
     resident: dict[str, int] = field(default_factory=dict)
     dynamic: int = 0
     peak: int = 0
+    arenas: Arenas | None = None
 
     def current(self) -> int:
         if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
+            return torch.cuda.memory_allocated(self.device) + self._mapped()
         return sum(self.resident.values()) + self.dynamic
+
+    def _mapped(self, peak: bool = False) -> int:
+        if self.arenas is None:
+            return 0
+        return self.arenas.peak if peak else self.arenas.mapped
+
+    def reserved(self) -> int:
+        """What the process holds from the driver for the engine: the allocator's segments and the mapped weights."""
+        if self.device.type != "cuda":
+            return self.current()
+        return torch.cuda.memory_reserved(self.device) + self._mapped()
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            if self.arenas is not None:
+                self.arenas.reset_peak()
         self.peak = self.current()
 
     def observe(self) -> int:
         now = self.current()
         if self.device.type == "cuda":
-            now = max(now, torch.cuda.max_memory_allocated(self.device))
+            now = max(now, torch.cuda.max_memory_allocated(self.device) + self._mapped(peak=True))
         self.peak = max(self.peak, now)
         return now
 
@@ -134,8 +150,23 @@ class Loader:
                 self._units[C.unit_component(unit)].append(unit)
         for units in self._units.values():
             units.sort(key=C.unit_sort_key)
-        self._memory = MemoryTracker(device)  # its `resident`: bytes per resident unit
-        self._estimates = dict(estimates or {})
+        # Time-sliced, each unit's weights are mapped at addresses of their own and unmapped when it goes
+        # (orin.weight_arena); without the driver's virtual memory management, a memory pool (weights_memory).
+        driver = driver_for(device) if budget is not None else None
+        self._arenas = Arenas(driver) if driver is not None else None
+        if self._arenas is not None and device.type == "cuda":
+            # the allocator's cap needs the device by its index: a bare "cuda" is refused
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+            self._device_total = torch.cuda.get_device_properties(self._device_index).total_memory
+            # what the process's allocator held before (another engine, in a test or a bench): not this budget's
+            self._held_before = torch.cuda.memory_reserved(device)
+        self._memory = MemoryTracker(device, arenas=self._arenas)  # its `resident`: bytes per resident unit
+        if estimates is None:  # the planner's, as the engine passes them
+            from .plan import size_model
+
+            sized = size_model(checkpoint.config, checkpoint.spec, checkpoint.split, dtype_bytes=dtype.itemsize)
+            estimates = {u: b for s in sized.components.values() for u, b in s.units.items()}
+        self._estimates = dict(estimates)
         self._measured: dict[str, int] = {}
         self._on_swap = on_swap
         self._swaps: list[Swap] = []
@@ -216,9 +247,34 @@ class Loader:
 
     # ------------------------------------------------------------------ loading
 
+    def _keep(self, unit: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` where the unit's weights live: its arena (a copy, unless it was read there), or as it is."""
+        return tensor if self._arenas is None else self._arenas.adopt(unit, tensor)
+
+    def _keep_module(self, unit: str, module: nn.Module) -> None:
+        """An INT4 module's buffers where the unit's weights live (through _apply, which also drops the views a
+        module derived from its old buffers)."""
+        if self._arenas is not None:
+            module._apply(lambda t: self._arenas.adopt(unit, t), recurse=False)
+
+    def _plain_alloc(self, blocks: BlockReader, batch: list[tuple[str, list[str]]]):
+        """Where a batch of plain tensors is read to: straight into its unit's arena where each of them is kept as
+        read (one unit's, each a whole runtime tensor, floats already in the runtime dtype); else (None) the
+        allocator's memory, each tensor then copied to the arena by _keep."""
+        if self._arenas is None:
+            return None
+        units = {C.unit_of(k) for k, _ in batch}
+        if len(units) != 1 or any(len(fks) != 1 or expert_part(to_runtime(fks[0])) is not None for _, fks in batch):
+            return None
+        dtypes = {blocks.index[fks[0]][0] for _, fks in batch}
+        if any(d.is_floating_point and d != self.dtype for d in dtypes):
+            return None
+        return self._arenas.of(units.pop()).take
+
     def _assign(self, key: str, tensor: torch.Tensor) -> int:
         module_path, _, name = key.rpartition(".")
         module = self.model.get_submodule(module_path)
+        unit = C.unit_of(key)
         if name in module._parameters:
             old = module._parameters[name]
             if tuple(old.shape) != tuple(tensor.shape):
@@ -226,12 +282,12 @@ class Loader:
                                  f"{tuple(old.shape)}; the checkpoint is for another model")
             if tensor.is_floating_point():
                 tensor = tensor.to(self.dtype)
-            module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+            module._parameters[name] = nn.Parameter(self._keep(unit, tensor), requires_grad=False)
         elif name in module._buffers:
             buf = module._buffers[name]
+            tensor = tensor.to(buf.dtype) if buf is not None and buf.is_floating_point() else tensor
             # a copy: a view would keep the whole block it was read in alive past the unit's eviction
-            module._buffers[name] = (tensor.to(buf.dtype) if buf is not None and buf.is_floating_point()
-                                     else tensor).clone()
+            module._buffers[name] = tensor.clone() if self._arenas is None else self._keep(unit, tensor)
         else:
             raise ModelError(f"{key}: the model has no such tensor; the checkpoint is for another model")
         return tensor.numel() * tensor.element_size()
@@ -261,7 +317,8 @@ class Loader:
                     with GATE:  # a batch in one read (the next one read meanwhile), views of one device block
                         # no gaps: a view must not keep bytes of other tensors (or other units) alive
                         then = [k for _, fks in batches[i + 1] for k in fks] if i + 1 < len(batches) else None
-                        tensors = blocks.read([k for _, fks in batch for k in fks], max_gap=0, then=then)
+                        tensors = blocks.read([k for _, fks in batch for k in fks], max_gap=0, then=then,
+                                              alloc=self._plain_alloc(blocks, batch))
                         if then is None and modules:
                             blocks.read_ahead(_first_read(shells, modules[0]))
                         for key, file_keys in batch:
@@ -278,6 +335,7 @@ class Loader:
                             tensors.read_block(list(tensors))  # a Linear's tensors in one read
                             tensors.read_ahead([])
                         load_int4_module(shell, tensors, self.device, self.dtype, name=path)
+                        self._keep_module(self._shell_unit[path], shell)
                     got[C.unit_of(path + ".")] += _module_bytes(shell)
         missing = [name for unit in units for module, attr, name in self._params.get(unit, ())
                    if module._parameters[attr].device.type == "meta"]
@@ -301,14 +359,18 @@ class Loader:
             return False
         blocks = BlockReader(hit.path, self.device)
         batches = _name_batches(blocks, hit.names)
+        # read straight into the unit's arena (no copy), where it has one
+        alloc = None if self._arenas is None else self._arenas.of(unit).take
         tensors: dict = {}
         for i, batch in enumerate(batches):
             with GATE:
-                tensors.update(blocks.read(batch, max_gap=0, then=batches[i + 1] if i + 1 < len(batches) else None))
+                tensors.update(blocks.read(batch, max_gap=0, then=batches[i + 1] if i + 1 < len(batches) else None,
+                                           alloc=alloc))
         try:
             for path, names in hit.buffers.items():
                 shells[path].load_packed_({b: tensors[n] for b, n in names.items()}, hit.meta[path], self.device,
                                           name=path)
+                self._keep_module(unit, shells[path])  # a tensor the reader had to copy (misaligned)
         except (ModelError, KeyError) as exc:
             log.warning("%s: %s; converting %s from the checkpoint", hit.path, exc, unit)
             for path in mine:
@@ -322,13 +384,14 @@ class Loader:
 
     def weights_memory(self):
         """A context in which the calling thread's device allocations come from the weights' own memory pool
-        (CUDA, where torch has MemPool; elsewhere nothing changes). Kept apart from the activations and caches,
-        a pool that only ever holds weights gives a component swapped out and in again the blocks it had: a
-        stream of requests moves the same units in the same order, so they land at the same addresses and the
-        CUDA graphs captured over them stay valid. In the common pool the decode's and prefill's allocations,
-        made meanwhile on the other thread, took those blocks, and re-capturing the talker's and the code
-        predictor's steps cost 0.3-0.5 s of the 20 GiB first audio packet (BENCHMARKS.md)."""
-        if self.device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+        (CUDA, where torch has MemPool and the weights have no arenas; elsewhere nothing changes). Kept apart
+        from the activations and caches, a pool that only ever holds weights gives a component swapped out and
+        in again the blocks it had: a stream of requests moves the same units in the same order, so they land at
+        the same addresses and the CUDA graphs captured over them stay valid. In the common pool the decode's and
+        prefill's allocations, made meanwhile on the other thread, took those blocks, and re-capturing the
+        talker's and the code predictor's steps cost 0.3-0.5 s of the 20 GiB first audio packet (BENCHMARKS.md).
+        The pool never gives a block back while it lives, though: the arenas (orin.weight_arena) do both."""
+        if self.device.type != "cuda" or self._arenas is not None or not hasattr(torch.cuda, "use_mem_pool"):
             return contextlib.nullcontext()
         with self._lock:
             if self._mem_pool is None:
@@ -340,12 +403,24 @@ class Loader:
     def _load_timed(self, component: str, background: bool) -> None:
         start = time.perf_counter()
         units = self._missing(component)
-        with self.weights_memory():
-            got, packed, written = self._load_units(component, set(units))
+        if self._arenas is not None:
+            sizes = self.unit_sizes()
+            incoming = sum(sizes.get(unit, 0) for unit in units)
+            self._cap(incoming)
+            self._trim(incoming)  # the allocator's cache gives way to what is about to be mapped
+            for unit in units:
+                self._arenas.of(unit).begin(sizes.get(unit, 0))
+        try:
+            with self.weights_memory():
+                got, packed, written = self._load_units(component, set(units))
+        except BaseException:
+            self._abandon(set(units))
+            raise
         with self._lock:
             self._memory.resident.update(got)
             self._measured.update(got)
         if self.budget is not None:
+            self._cap()
             self._trim()  # what a load's blocks could not reuse of the cache
         nbytes = sum(got.values())
         self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background, len(units),
@@ -402,6 +477,9 @@ class Loader:
             if alive:
                 raise RuntimeError(f"evicting {comp}: {alive} of its {len(refs)} tensors are still referenced "
                                    "elsewhere, so their memory is not freed")
+        if self._arenas is not None:
+            self._arenas.release(gone)
+            self._cap()
         self._trim()
         seconds = time.perf_counter() - start
         freed: dict[str, list[int]] = {}
@@ -413,14 +491,24 @@ class Loader:
             log.info("swap out %-15s %10d bytes %.3f s (%d of %d units)", comp, sum(sizes), seconds, len(sizes),
                      len(self._units[comp]))
 
-    def _trim(self) -> None:
-        """Give the allocator's cached blocks back where the process holds more than its budget (or always,
-        without one). Kept otherwise, for the next load: returning them (cudaFree, each synchronising the device)
-        took 0.3-0.4 s an eviction on an H200."""
-        if self.device.type == "cuda" and (self.budget is None
-                                           or torch.cuda.memory_reserved(self.device) > self.budget):
+    def _trim(self, incoming: int = 0) -> None:
+        """Give the allocator's cached blocks back where the process holds more than its budget (with `incoming`
+        bytes about to be mapped beside it), or always, without one. Kept otherwise, for the next load: returning
+        them (cudaFree, each synchronising the device) took 0.3-0.4 s an eviction on an H200."""
+        if self.device.type == "cuda" and (self.budget is None or self._memory.reserved() + incoming > self.budget):
             with GATE:  # never during another thread's capture
                 torch.cuda.empty_cache()
+
+    def _cap(self, incoming: int = 0) -> None:
+        """Where the weights are mapped outside the allocator (arenas), cap the allocator at what the budget
+        leaves beside them (and `incoming` bytes about to be mapped): at the cap it frees its cached blocks
+        before it takes more from the driver, so the process holds no more than the budget, KV caches,
+        activations and graphs included. Trimmed only between stages, its cache had grown 0.1-0.2 GiB past it
+        (BENCHMARKS.md, run 42). The plan keeps what is allocated under the budget; the cap is on the cache."""
+        if self._arenas is None or self.budget is None or self.device.type != "cuda":
+            return
+        room = self._held_before + max(self.budget - self._arenas.mapped - incoming, 0)
+        torch.cuda.set_per_process_memory_fraction(min(room / self._device_total, 1.0), self._device_index)
 
     def _held(self) -> dict[str, int]:
         """Bytes per unit resident or arriving by a prefetch already started, one consistent snapshot: a prefetch
@@ -498,11 +586,11 @@ class Loader:
             self._pending.pop(comp).result()
 
     def close(self) -> None:
-        """Stop the loading thread; then, where the weights have a pool of their own, give their memory back
-        now: the pool keeps its blocks while it lives, so an engine closed but not yet collected (a reference
+        """Stop the loading thread; then, where the weights have arenas or a pool of their own, give their memory
+        back now: the pool keeps its blocks while it lives, so an engine closed but not yet collected (a reference
         cycle) held 4 GiB of reserved memory into the next engine's run (BENCHMARKS.md, run 38)."""
         self._pool.shutdown(wait=True)
-        if self._mem_pool is None:
+        if self._mem_pool is None and self._arenas is None:
             return
         with self._lock:
             units = set(self._memory.resident)
@@ -510,7 +598,20 @@ class Loader:
         self._release(units)
         self._mem_pool = None
         gc.collect()
+        if self._arenas is not None:
+            self._arenas.close()
+            if self.device.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0, self._device_index)  # the process's next engine starts uncapped
         torch.cuda.empty_cache()
+
+    def _abandon(self, units: set[str]) -> None:
+        """After a failed load: give up what it assigned, so a later load of the units starts clean."""
+        self._release(units)
+        if self._arenas is not None:
+            try:
+                self._arenas.release(units)
+            except RuntimeError as exc:  # the failure's traceback may still hold a tensor: kept mapped
+                log.warning("after a failed load: %s", exc)
 
 
 def _assemble(key: str, file_keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:

@@ -46,7 +46,12 @@ if not os.path.exists(ck):
     say("write", round(time.perf_counter() - t, 1))
 dev = torch.device(DEVICE)
 ckpt = Checkpoint.open(ck, verify=False)
-loader = Loader(ckpt, dev, torch.bfloat16, None, packed=PackedCache.open(ck + "/packed", ckpt, dev, torch.bfloat16))
+# a budget (none fits under it: nothing is evicted but what the script evicts) makes the loader time-sliced:
+# on CUDA, weights in their arenas (orin.weight_arena); PROFILE_BUDGET=0 profiles the all-resident loader
+budget = int(os.environ.get("PROFILE_BUDGET", str(1 << 40))) or None
+loader = Loader(ckpt, dev, torch.bfloat16, budget,
+                packed=PackedCache.open(ck + "/packed", ckpt, dev, torch.bfloat16))
+say("weights in arenas" if loader._arenas is not None else "weights in the allocator")
 t = time.perf_counter()
 for c in ("thinker_text", "audio_encoder", "vision_encoder", "talker", "code_predictor", "code2wav"):
     loader.ensure(c)
@@ -64,6 +69,7 @@ PIECES = {
     "code_predictor": ["code_predictor"],
     "vision_encoder": ["vision_encoder"],
     "talker_5": [u for u in loader.units("talker") if "/" in u][-5:],
+    "talker_all": list(loader.units("talker")),
     "thinker_4": [u for u in loader.units("thinker_text") if "/" in u][-4:],
 }
 
@@ -134,6 +140,11 @@ for interval in (0.005, 0.0005):
         say("bg", interval, piece, round(dt, 4), round(swap.bytes / dt / 1e9, 2), "GB/s", "launches/s",
             round(launches[0] / dt))
 sys.setswitchinterval(0.005)
+if DEVICE == "cuda":
+    res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                     "mapped": loader._arenas.mapped if loader._arenas is not None else 0,
+                     "resident": loader.resident_bytes()}
+    say("memory", res["memory"])
 json.dump(res, open(os.path.join(out, "profile_loader.json"), "w"), indent=1)
 open(os.path.join(out, "profile_loader.txt"), "w").write(text.getvalue())
 loader.close()

@@ -74,13 +74,13 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     served, direct, plain = [], [], []
     read = Reader.read
 
-    def spy(self, names, max_gap=None, then=None):
+    def spy(self, names, max_gap=None, then=None, alloc=None):
         kw = {} if max_gap is None else {"max_gap": max_gap}
         hit = self._ahead is not None and self._ahead[0] == frozenset(names)
         (served if hit else direct).append(len(names))
         if max_gap == 0:
             plain.append(names)
-        return read(self, names, then=then, **kw)
+        return read(self, names, then=then, alloc=alloc, **kw)
 
     monkeypatch.setattr(Reader, "read", spy)
     ckpt = Checkpoint.open(quantized_dir)

@@ -324,6 +324,47 @@ def test_weights_swapped_out_and_in_land_where_they_were(cuda_engine):
         del squatter
 
 
+def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_addresses(request):
+    """Under a budget the loader maps each unit's weights at addresses of its own (orin.weight_arena): evicting
+    the code predictor gives its memory back to the driver (the device's free memory grows by its size, which
+    the common pool then takes), and loading it again maps it where it was, so its frame graph is replayed, not
+    captured again, and gives the same codes."""
+    import torch
+
+    from orin.engine import Engine, EngineConfig
+
+    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
+    engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
+                                 compile=False, budget=1 << 40))
+    try:
+        assert engine.loader._arenas is not None, "this driver has no virtual memory management"
+        with torch.inference_mode():
+            engine.loader.ensure("talker")
+            # a first load converts (and writes the packed copy), later ones read the copy: from then on the
+            # unit's tensors come in the same order, to the same places
+            engine.loader.ensure("code_predictor")
+            engine.loader.evict("code_predictor")
+            predictor, past, first, codes, emb = _predictor_frame(engine, seed=11)
+            captures = predictor.runner.captures
+            where = [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()]
+            size = engine.loader.sizes()["code_predictor"]
+            torch.cuda.synchronize()
+            free_in = torch.cuda.mem_get_info()[0]
+            engine.loader.evict("code_predictor")
+            freed = torch.cuda.mem_get_info()[0] - free_in
+            assert freed >= size, (freed, size)
+            squatter = torch.full((size // 2,), 7, dtype=torch.int16, device="cuda")
+            engine.loader.ensure("code_predictor")
+            engine.decoders.weights_may_have_moved()
+            assert [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()] == where
+            again, emb_again = predictor.run(past, first)
+            assert torch.equal(again, codes) and torch.equal(emb_again, emb)
+            assert predictor.runner.captures == captures
+            del squatter
+    finally:
+        engine.close()
+
+
 def test_code_predictor_recaptures_after_its_weights_move(cuda_engine):
     """Swapped out and in between two requests, the code predictor's weights land elsewhere; its frame graph must
     be re-captured, not replayed onto the freed (here: reoccupied) memory. The engine tells the decoders after

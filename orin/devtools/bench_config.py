@@ -12,6 +12,7 @@ costs is timed once apart (orin.devtools.bench.video_decode_timing)."""
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -23,6 +24,8 @@ GiB = 1 << 30
 # are the JSON's and BENCHMARKS.md's (runs "orin_graph", "orin_compiled").
 RUN_NAMES = {False: "graph", True: "compiled"}
 _SWITCH = {"on": True, "off": False}
+
+log = logging.getLogger("orin.devtools.bench")
 
 
 @dataclass(frozen=True)
@@ -209,12 +212,21 @@ def sync(device) -> None:
 
 
 def free(device) -> None:
-    """Give what the last part held back to the allocator before the next part measures its peak."""
+    """Give what the last part held back to the driver before the next part measures its peak. torch.compile's
+    caches keep the compiled decoders (their KV caches and CUDA graphs) of a closed engine alive: they are reset
+    too, else the next engine's figures carry them (3.4 GiB into the first time-sliced run, BENCHMARKS.md run 42)."""
+    import sys
+
     import torch
 
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
     gc.collect()
     if getattr(device, "type", device) in ("cuda", "auto") and torch.cuda.is_available():
         torch.cuda.empty_cache()
+        if torch.cuda.memory_allocated() > 64 << 20:  # the next part's peak would carry it
+            log.warning("a finished part left %d bytes allocated (%d reserved)", torch.cuda.memory_allocated(),
+                        torch.cuda.memory_reserved())
 
 
 __all__ = ["GiB", "RUN_NAMES", "BenchConfig", "BenchInputs", "VideoCase", "bench_request", "case_name", "check_video",

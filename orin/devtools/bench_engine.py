@@ -326,6 +326,9 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         if isinstance(event, Staged):
             stages.append(event.to_json())
 
+    from ..device import pick_device
+
+    held = DeviceMemory(pick_device(cfg.device))
     engine = open_engine(cfg, model_dir, budget, compile, prefetch=prefetch, observer=observe)
     try:
         # Three requests in a row: the first starts from nothing resident, the third is the steady state of a
@@ -340,8 +343,10 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         captured = {k: v["captures"] + v["prefill_captures"] for k, v in engine.decoder_stats().items()}
         stages.clear()
         report = stream_request(engine, bench_request(cfg, inputs)).report
-        # what the process held from the driver (allocator cache included): the loader keeps it under the budget
-        reserved = _peak_reserved(engine.device)
+        # what the process held from the driver (allocator cache and mapped weights): the loader keeps it under
+        # the budget
+        reserved = _peak_reserved(engine)
+        device_used = held.stop()
         note = "" if prefetch else ", no prefetch"
         if engine.loader.packed is None:
             note += ", no packed copies"
@@ -356,6 +361,7 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         summary["swap_detail"] = [s.to_json() for s in report.swaps]
         summary["planned_steady_bytes_loaded"] = sum(m.loaded() for m in planned)
         summary["peak_reserved_bytes"] = reserved
+        summary["peak_device_used_bytes"] = device_used
         summary["decoders"] = engine.decoder_stats()  # captures: how often a swap moved a decoder's weights
         summary["steady_captures"] = {k: v["captures"] + v["prefill_captures"] - captured.get(k, 0)
                                       for k, v in summary["decoders"].items()}
@@ -367,18 +373,60 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
                f"{summary['swap_in_s']:.2f} s ({summary['swap_in_gb_s'] or 0:.2f} GB/s; planned "
                f"{summary['planned_steady_bytes_loaded'] / 1e9:.2f} GB); first request: ttft "
                f"{first.ttft_s:.2f} s, {summary['first_request']['swap_in_bytes'] / 1e9:.2f} GB in; second: first "
-               f"audio {second.first_audio_s or 0:.3f} s; steady-state captures {summary['steady_captures']}")
+               f"audio {second.first_audio_s or 0:.3f} s; steady-state captures {summary['steady_captures']}; held from "
+               f"the driver at most {format_bytes(device_used or 0)} (reserved + mapped peaks "
+               f"{format_bytes(reserved or 0)})")
         return summary
     finally:
+        held.stop()
         engine.close()
         del engine
         free(cfg.device)
 
 
-def _peak_reserved(device) -> int | None:
+def _peak_reserved(engine) -> int | None:
+    """The allocator's peak of reserved memory plus the weights' mapped outside it (orin.weight_arena): the two
+    peaks added, which can only overstate."""
     import torch
 
-    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    if engine.device.type != "cuda":
+        return None
+    arenas = engine.loader._arenas
+    return torch.cuda.max_memory_reserved(engine.device) + (arenas.peak_ever if arenas is not None else 0)
+
+
+class DeviceMemory:
+    """The device's used memory sampled every `every` seconds on a thread of its own, from now until stop(): the
+    peak above what was used at the start outside torch's allocator (the CUDA context, other processes): all the
+    process took from the driver, allocator and mapped weights alike, as the other processes of an Orin would
+    see it. None off CUDA."""
+
+    def __init__(self, device, every: float = 0.002):
+        import torch
+
+        self._device = device
+        self._stop = threading.Event()
+        self.peak: int | None = None
+        if device.type != "cuda":
+            return
+        free_, total = torch.cuda.mem_get_info(device)
+        self._base = total - free_ - torch.cuda.memory_reserved(device)
+        self.peak = 0
+        self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True, name="bench-memory")
+        self._thread.start()
+
+    def _sample(self, every: float) -> None:
+        import torch
+
+        while not self._stop.wait(every):
+            free_, total = torch.cuda.mem_get_info(self._device)
+            self.peak = max(self.peak, total - free_ - self._base)
+
+    def stop(self) -> int | None:
+        if self.peak is not None and not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+        return self.peak
 
 
 def _moved(report) -> dict:
