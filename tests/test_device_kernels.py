@@ -302,6 +302,22 @@ def _predictor_frame(engine, seed: int):
     return predictor, past, first, codes, emb
 
 
+def _back_in_place(engine, frame, captures: int, where: list[int]) -> None:
+    """With the code predictor evicted and a squatter of half its size allocated in the common pool, loading it
+    again puts its weights at `where`, and its frame graph replays (no capture) to the same codes."""
+    import torch
+
+    predictor, past, first, codes, emb = frame
+    squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
+    engine.loader.ensure("code_predictor")
+    engine.decoders.weights_may_have_moved()
+    assert [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()] == where
+    again, emb_again = predictor.run(past, first)
+    assert torch.equal(again, codes) and torch.equal(emb_again, emb)
+    assert predictor.runner.captures == captures
+    del squatter
+
+
 def test_weights_swapped_out_and_in_land_where_they_were(cuda_engine):
     """Weights have a memory pool of their own (Loader.weights_memory): what the request allocates while a
     component is out (here a squatter of its size, in the common pool) cannot take its blocks, so it comes back
@@ -314,14 +330,7 @@ def test_weights_swapped_out_and_in_land_where_they_were(cuda_engine):
         captures = predictor.runner.captures
         where = [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()]
         engine.loader.evict("code_predictor")
-        squatter = torch.full((engine.loader.sizes()["code_predictor"] // 2,), 7, dtype=torch.int16, device="cuda")
-        engine.loader.ensure("code_predictor")
-        engine.decoders.weights_may_have_moved()
-        assert [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()] == where
-        again, emb_again = predictor.run(past, first)
-        assert torch.equal(again, codes) and torch.equal(emb_again, emb)
-        assert predictor.runner.captures == captures
-        del squatter
+        _back_in_place(engine, (predictor, past, first, codes, emb), captures, where)
 
 
 def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_addresses(request):
@@ -353,14 +362,7 @@ def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_
             engine.loader.evict("code_predictor")
             freed = torch.cuda.mem_get_info()[0] - free_in
             assert freed >= size, (freed, size)
-            squatter = torch.full((size // 2,), 7, dtype=torch.int16, device="cuda")
-            engine.loader.ensure("code_predictor")
-            engine.decoders.weights_may_have_moved()
-            assert [p.data_ptr() for p in engine.model.talker.code_predictor.parameters()] == where
-            again, emb_again = predictor.run(past, first)
-            assert torch.equal(again, codes) and torch.equal(emb_again, emb)
-            assert predictor.runner.captures == captures
-            del squatter
+            _back_in_place(engine, (predictor, past, first, codes, emb), captures, where)
     finally:
         engine.close()
 
