@@ -195,11 +195,6 @@ class UnitArena:
     def mapped(self) -> int:
         return sum(size for _, size, _ in self._chunks)
 
-    @property
-    def used(self) -> int:
-        """Bytes handed out since the unit's load began."""
-        return self._offset
-
     def begin(self, estimate: int) -> None:
         """Start a load: what the last load took (else `estimate` bytes) is mapped at once, more as asked for."""
         if self._gen is not None:
@@ -266,8 +261,9 @@ class UnitArena:
         out.copy_(src)
         return out
 
-    def release(self) -> None:
-        """Unmap the unit's memory (the caller has dropped every tensor of it); its addresses stay reserved."""
+    def release(self, synced: bool = False) -> None:
+        """Unmap the unit's memory (the caller has dropped every tensor of it, and `synced` the device since);
+        its addresses stay reserved."""
         if self._gen is None:
             return
         gen = weakref.ref(self._gen)
@@ -279,7 +275,8 @@ class UnitArena:
         if gen() is not None:
             self._gen = gen()
             raise RuntimeError(f"{self.name}: a tensor of it is still referenced, so its memory cannot be freed")
-        self._driver.synchronize()  # kernels queued may still read it
+        if not synced:
+            self._driver.synchronize()  # kernels queued may still read it
         for ptr, size, handle in self._chunks:
             self._driver.unmap(ptr, size, handle)
             self._arenas._count(-size)
@@ -321,16 +318,16 @@ class Arenas:
                 self._by_unit[unit] = UnitArena(self._driver, self, unit)
             return self._by_unit[unit]
 
-    def take(self, unit: str, nbytes: int) -> torch.Tensor:
-        return self.of(unit).take(nbytes)
-
     def adopt(self, unit: str, tensor: torch.Tensor) -> torch.Tensor:
         return self.of(unit).adopt(tensor)
 
     def release(self, units) -> None:
-        for unit in units:
-            if unit in self._by_unit:
-                self._by_unit[unit].release()
+        """Unmap these units' memory, after one wait for the kernels queued (which may still read it)."""
+        arenas = [self._by_unit[u] for u in units if u in self._by_unit]
+        if arenas:
+            self._driver.synchronize()
+        for arena in arenas:
+            arena.release(synced=True)
 
     def close(self) -> None:
         for arena in self._by_unit.values():
