@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import threading
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -186,11 +187,20 @@ class BlockReader:
             self._ahead = (frozenset(names), max_gap, i, _reader_thread().submit(self._read_host, runs,
                                                                                   lane.buffers[i]))
 
-    def read(self, names, max_gap: int = MAX_GAP, then=None, alloc=None) -> dict[str, torch.Tensor]:
+    def drop_ahead(self) -> None:
+        """Forget a read-ahead that no read will take (its load failed or was given up): once it has finished,
+        so that its staging buffer is not filled while a later read uses it."""
+        if self._ahead is not None:
+            futures.wait([self._ahead[3]])
+            self._ahead = None
+
+    def read(self, names, max_gap: int = MAX_GAP, then=None, alloc=None,
+             then_in: BlockReader | None = None) -> dict[str, torch.Tensor]:
         """The named tensors on the device (views of one block per run: see the module doc). `max_gap`: the
         most bytes between two tensors read as one run (0 where views must not keep other bytes alive). `then`:
-        names to read ahead (with the same `max_gap`) while this read's copy runs. `alloc(nbytes)`: where the
-        blocks' device memory comes from (by default torch's allocator)."""
+        names to read ahead (with the same `max_gap`) while this read's copy runs, from this file or from
+        `then_in`'s (the next unit's first batch: without it each unit's first read waited on the disk alone).
+        `alloc(nbytes)`: where the blocks' device memory comes from (by default torch's allocator)."""
         lane = _lane(self.device)
         key = frozenset(names)
         staged = None
@@ -215,7 +225,7 @@ class BlockReader:
                 lane.copy(i, host, block)
                 landing.append((run, block))
         if then:
-            self.read_ahead(then, max_gap)
+            (then_in or self).read_ahead(then, max_gap)
         lane.settle()
         out: dict[str, torch.Tensor] = {}
         for run, block in landing:

@@ -158,7 +158,11 @@ class Loader:
             # the allocator's cap needs the device by its index: a bare "cuda" is refused
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self._device_total = torch.cuda.get_device_properties(self._device_index).total_memory
-            # what the process's allocator held before (another engine, in a test or a bench): not this budget's
+            # what the process's allocator holds for tensors still alive (another engine, in a test or a bench):
+            # not this budget's. Its cached free blocks go back first: counted as held before, they raised the
+            # cap by their size, and an 18 GiB engine opened after a 17 GB read held 21.4 GiB (BENCHMARKS.md,
+            # runs 44-46).
+            torch.cuda.empty_cache()
             self._held_before = torch.cuda.memory_reserved(device)
         self._memory = MemoryTracker(device, arenas=self._arenas)  # its `resident`: bytes per resident unit
         if estimates is None:  # the planner's, as the engine passes them
@@ -234,6 +238,13 @@ class Loader:
     def peak_bytes(self) -> int:
         return self._memory.peak
 
+    def mapped_bytes(self, peak_ever: bool = False) -> int | None:
+        """The weights mapped outside the allocator (orin.weight_arena) now, or at most since the loader was made;
+        None where the weights live in the allocator (all-resident, no virtual memory management, off CUDA)."""
+        if self._arenas is None:
+            return None
+        return self._arenas.peak_ever if peak_ever else self._arenas.mapped
+
     def swaps(self) -> tuple[Swap, ...]:
         """The swaps since the last take_swaps()."""
         with self._lock:
@@ -302,10 +313,8 @@ class Loader:
         files = [source.path for source in self.ckpt.sources(component)]
         packed = 0
         if self.packed is not None:  # INT4 units with a valid packed copy: read, not converted
-            for unit in sorted({self._shell_unit[p] for p in shells}, key=C.unit_sort_key):
-                hit = self.packed.find(unit, files)
-                if hit is not None and self._load_packed(unit, hit, shells, got):
-                    packed += 1
+            packed = self._load_all_packed(sorted({self._shell_unit[p] for p in shells}, key=C.unit_sort_key),
+                                           files, shells, got)
         shells = {p: m for p, m in shells.items() if not m.is_loaded}
         for source in self.ckpt.sources(component):
             blocks = BlockReader(source.path, self.device)
@@ -349,23 +358,42 @@ class Loader:
                 written += bool(self.packed.store(unit, files, modules))
         return got, packed, written
 
-    def _load_packed(self, unit: str, hit, shells: dict, got: dict[str, int]) -> bool:
+    def _load_all_packed(self, units: list[str], files: list, shells: dict, got: dict[str, int]) -> int:
+        """The units that have a valid packed copy, loaded from it one after the other, each unit's last read
+        reading the next one's first batch ahead (a talker load is 20 units of ~80 MB: each first read waiting on
+        the disk alone was 66 of its 162 ms, BENCHMARKS.md run 48). How many were loaded so."""
+        found = [(unit, hit) for unit in units if (hit := self.packed.find(unit, files)) is not None]
+        readers = [BlockReader(hit.path, self.device) for _, hit in found]
+        batches = [_name_batches(blocks, hit.names) for blocks, (_, hit) in zip(readers, found, strict=True)]
+        loaded = 0
+        try:
+            for i, (unit, hit) in enumerate(found):
+                after = (readers[i + 1], batches[i + 1][0]) if i + 1 < len(found) and batches[i + 1] else None
+                loaded += self._load_packed(unit, hit, shells, got, readers[i], batches[i], after)
+        finally:
+            for blocks in readers:  # a read ahead that no load took (a copy refused, or an error)
+                blocks.drop_ahead()
+        return loaded
+
+    def _load_packed(self, unit: str, hit, shells: dict, got: dict[str, int], blocks: BlockReader,
+                     batches: list[list[str]], after: tuple[BlockReader, list[str]] | None) -> bool:
         """Fill the unit's INT4 modules from their packed copy: its tensors read in batches (the next read
-        meanwhile), taken as the modules' buffers without a copy. False where the copy does not fit the modules
-        (then they stay empty, to be converted)."""
+        meanwhile: this unit's next batch, or `after`'s names from its reader), taken as the modules' buffers
+        without a copy. False where the copy does not fit the modules (then they stay empty, to be converted)."""
         mine = {p for p in shells if self._shell_unit[p] == unit}
         if set(hit.buffers) != mine:
             log.warning("%s: the packed copy holds other modules than %s has; converting it", hit.path, unit)
             return False
-        blocks = BlockReader(hit.path, self.device)
-        batches = _name_batches(blocks, hit.names)
         # read straight into the unit's arena (no copy), where it has one
         alloc = None if self._arenas is None else self._arenas.of(unit).take
         tensors: dict = {}
         for i, batch in enumerate(batches):
+            if i + 1 < len(batches):
+                then, then_in = batches[i + 1], None
+            else:
+                then_in, then = after or (None, None)
             with GATE:
-                tensors.update(blocks.read(batch, max_gap=0, then=batches[i + 1] if i + 1 < len(batches) else None,
-                                           alloc=alloc))
+                tensors.update(blocks.read(batch, max_gap=0, then=then, alloc=alloc, then_in=then_in))
         try:
             for path, names in hit.buffers.items():
                 shells[path].load_packed_({b: tensors[n] for b, n in names.items()}, hit.meta[path], self.device,

@@ -51,7 +51,7 @@ ckpt = Checkpoint.open(ck, verify=False)
 budget = int(os.environ.get("PROFILE_BUDGET", str(1 << 40))) or None
 loader = Loader(ckpt, dev, torch.bfloat16, budget,
                 packed=PackedCache.open(ck + "/packed", ckpt, dev, torch.bfloat16))
-say("weights in arenas" if loader._arenas is not None else "weights in the allocator")
+say("weights in arenas" if loader.mapped_bytes() is not None else "weights in the allocator")
 t = time.perf_counter()
 for c in ("thinker_text", "audio_encoder", "vision_encoder", "talker", "code_predictor", "code2wav"):
     loader.ensure(c)
@@ -109,6 +109,60 @@ for piece in PIECES:
             say(s.getvalue()[:9000])
 
 
+def phases(piece: str, reps: int = 3) -> dict:
+    """Wall seconds inside each step of the loading thread's path, per load of `piece` (the steps nest: a read
+    holds its settle; a packed load holds its reads), beside the load's own seconds."""
+    import orin.block_reader as br
+    import orin.int4 as i4
+    import orin.int4_experts as i4e
+    import orin.loader as ld
+    import orin.packed_cache as pc
+    import orin.weight_arena as wa
+
+    spent: dict = {}
+    patched = []
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+        patched.append((owner, name, fn))
+
+    for owner, name in ((pc.PackedCache, "find"), (br.BlockReader, "__init__"), (br.BlockReader, "read"),
+                        (br.BlockReader, "_read_host"), (br.BlockReader, "_read_streamed"), (br._Lane, "settle"),
+                        (br._Lane, "take"), (br._Lane, "new_block"), (br._Lane, "copy"), (wa.CudaVmm, "map"),
+                        (ld.Loader, "_load_packed"), (ld.Loader, "_load_units"), (ld.Loader, "_keep_module"),
+                        (ld.Loader, "_cap"), (ld.Loader, "_trim"), (wa.UnitArena, "begin"),
+                        (i4.Int4Linear, "load_packed_"), (i4e.Int4Experts, "load_packed_"), (br, "_cut")):
+        timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
+    out = []
+    try:
+        for _ in range(reps):
+            evict(piece)
+            spent.clear()
+            t = time.perf_counter()
+            loader.ensure(comp(piece))
+            sync()
+            dt = time.perf_counter() - t
+            out.append({"s": dt, **{k: round(v, 4) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}})
+            say("phases", piece, round(dt, 4), out[-1])
+    finally:
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
+    return out
+
+
+if DEVICE == "cuda":
+    res["phases"] = {piece: phases(piece) for piece in ("talker_all", "thinker_4", "code2wav")}
+
+
 def busy(stop, launches):
     """The decode loop's shape: Python between launches, a sync per step."""
     x = torch.randn(64, 64, device=dev)
@@ -142,7 +196,7 @@ for interval in (0.005, 0.0005):
 sys.setswitchinterval(0.005)
 if DEVICE == "cuda":
     res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                     "mapped": loader._arenas.mapped if loader._arenas is not None else 0,
+                     "mapped": loader.mapped_bytes() or 0,
                      "resident": loader.resident_bytes()}
     say("memory", res["memory"])
 json.dump(res, open(os.path.join(out, "profile_loader.json"), "w"), indent=1)

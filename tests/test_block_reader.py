@@ -74,13 +74,13 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     served, direct, plain = [], [], []
     read = Reader.read
 
-    def spy(self, names, max_gap=None, then=None, alloc=None):
+    def spy(self, names, max_gap=None, then=None, alloc=None, then_in=None):
         kw = {} if max_gap is None else {"max_gap": max_gap}
         hit = self._ahead is not None and self._ahead[0] == frozenset(names)
         (served if hit else direct).append(len(names))
         if max_gap == 0:
             plain.append(names)
-        return read(self, names, then=then, alloc=alloc, **kw)
+        return read(self, names, then=then, alloc=alloc, then_in=then_in, **kw)
 
     monkeypatch.setattr(Reader, "read", spy)
     ckpt = Checkpoint.open(quantized_dir)
@@ -95,6 +95,25 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     # a batch per unit at least (the rest, each layer), fewer reads than tensors
     assert len(loader.units("thinker_text")) <= len(plain) < len(plain_keys)
     assert len(modules) > 2 and len(direct) == 1 and len(served) >= len(modules) + len(plain) - 1
+
+
+def test_a_read_can_read_ahead_in_another_file_and_an_unused_read_ahead_is_dropped(checkpoint, tmp_path):
+    """The next unit's first batch is read ahead from its own file while this unit's last copy runs; a read-ahead
+    that no read takes is waited for and forgotten (its staging buffer must not be filled under a later read)."""
+    path, tensors = checkpoint
+    other_path = tmp_path / "n.safetensors"
+    more = {"g.weight": torch.arange(12, dtype=torch.int32).view(3, 4)}
+    save_file(more, str(other_path))
+    reader, other = BlockReader(path, torch.device("cpu")), BlockReader(other_path, torch.device("cpu"))
+    got = reader.read(["b.qweight"], then=["g.weight"], then_in=other)
+    assert reader._ahead is None and other._ahead is not None and other._ahead[0] == frozenset(["g.weight"])
+    assert torch.equal(got["b.qweight"], tensors["b.qweight"])
+    assert torch.equal(other.read(["g.weight"])["g.weight"], more["g.weight"]) and other._ahead is None
+    other.read_ahead(["g.weight"])
+    future = other._ahead[3]
+    other.drop_ahead()
+    assert other._ahead is None and future.done()
+    other.drop_ahead()  # nothing to drop
 
 
 def test_spans_larger_than_a_staging_buffer_and_reads_ahead_while_copying(checkpoint, monkeypatch):

@@ -346,7 +346,7 @@ def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_
     engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
                                  compile=False, budget=1 << 40))
     try:
-        assert engine.loader._arenas is not None, "this driver has no virtual memory management"
+        assert engine.loader.mapped_bytes() is not None, "this driver has no virtual memory management"
         with torch.inference_mode():
             engine.loader.ensure("talker")
             # a first load converts (and writes the packed copy), later ones read the copy: from then on the
@@ -363,6 +363,28 @@ def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_
             freed = torch.cuda.mem_get_info()[0] - free_in
             assert freed >= size, (freed, size)
             _back_in_place(engine, (predictor, past, first, codes, emb), captures, where)
+    finally:
+        engine.close()
+
+
+def test_a_budgeted_engine_hands_the_allocators_free_cache_back_before_counting_what_was_held(request):
+    """The loader caps the allocator at what the budget leaves plus what the process held before the engine;
+    blocks cached but free then (the bench's 17 GB storage read) are given back first, not counted as held: they
+    let an 18 GiB engine hold 21.4 GiB (BENCHMARKS.md, run 44)."""
+    import torch
+
+    from orin.engine import Engine, EngineConfig
+
+    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del block
+    cached = torch.cuda.memory_reserved()
+    assert cached >= 1 << 30
+    engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
+                                 compile=False, budget=1 << 40))
+    try:
+        assert engine.loader.mapped_bytes() is not None, "this driver has no virtual memory management"
+        assert torch.cuda.memory_reserved() <= cached - (1 << 30)
     finally:
         engine.close()
 

@@ -132,6 +132,32 @@ def test_time_sliced_loads_read_the_copies(quantized_dir, tmp_path, reference, m
         eng.close()
 
 
+def test_packed_units_are_read_ahead_across_their_files(quantized_dir, tmp_path, monkeypatch):
+    """Loading a component from its packed copies, one file per unit: every read but the very first was started
+    in the background (each unit's last read starts the next unit's first), and none is read twice."""
+    from orin.block_reader import BlockReader
+
+    _served(quantized_dir, tmp_path / "cache")  # writes the copies
+    reads = []  # (file, whether a read-ahead served it), in order
+    read = BlockReader.read
+
+    def spy(self, names, *args, **kwargs):
+        reads.append((self.path, self._ahead is not None and self._ahead[0] == frozenset(names)))
+        return read(self, names, *args, **kwargs)
+
+    eng = _engine(quantized_dir, tmp_path / "cache", budget=1 << 40)
+    monkeypatch.setattr(BlockReader, "read", spy)
+    try:
+        eng.loader.ensure("thinker_text")
+        copies = [s for s in eng.loader.take_swaps() if s.direction == "in"]
+        assert copies and copies[-1].packed >= 2
+        from_copies = [(p, ahead) for p, ahead in reads if p.startswith(str(tmp_path / "cache"))]
+        assert len({p for p, _ in from_copies}) == copies[-1].packed
+        assert [ahead for _, ahead in from_copies] == [False] + [True] * (len(from_copies) - 1)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("change", ["torch", "code", "checkpoint"])
 def test_a_copy_for_another_layout_or_checkpoint_is_rebuilt(quantized_dir, tmp_path, change, monkeypatch):
     cache = tmp_path / "cache"

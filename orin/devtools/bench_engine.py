@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .. import components as C
 from ..units import format_bytes
-from .bench_config import BenchConfig, BenchInputs, VideoCase, bench_request, free, run_name, sync
+from .bench_config import BenchConfig, BenchInputs, GiB, VideoCase, bench_request, free, run_name, sync
 from .bench_kernels import decode_timings, prefill_timings, profile_events, profile_once
 from .bench_report import ttft_stats
 
@@ -330,22 +330,26 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
 
     held = DeviceMemory(pick_device(cfg.device))
     engine = open_engine(cfg, model_dir, budget, compile, prefetch=prefetch, observer=observe)
+    held.mapped = lambda loader=engine.loader: loader.mapped_bytes() or 0
     try:
         # Three requests in a row: the first starts from nothing resident, the third is the steady state of a
         # stream of requests (what the budget costs each request), and is the one summarised. The second is the
         # first to bring swapped units back, which then land where they will stay (orin.loader.weights_memory):
         # the decoders' captures after it say whether the steady state re-captured any graph.
         first = stream_request(engine, bench_request(cfg, inputs)).report
+        laps = [held.lap()]
         # what `plan`'s policy says the steady state loads, on the sizes the loader measured
         calls = engine.plan(bench_request(cfg, inputs)).stages.calls()
         planned = simulate(calls, engine.loader.unit_sizes(), budget)[-1]
         second = stream_request(engine, bench_request(cfg, inputs)).report
+        laps.append(held.lap())
         captured = {k: v["captures"] + v["prefill_captures"] for k, v in engine.decoder_stats().items()}
         stages.clear()
         report = stream_request(engine, bench_request(cfg, inputs)).report
         # what the process held from the driver (allocator cache and mapped weights): the loader keeps it under
         # the budget
         reserved = _peak_reserved(engine)
+        laps.append(held.lap())
         device_used = held.stop()
         note = "" if prefetch else ", no prefetch"
         if engine.loader.packed is None:
@@ -362,6 +366,8 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         summary["planned_steady_bytes_loaded"] = sum(m.loaded() for m in planned)
         summary["peak_reserved_bytes"] = reserved
         summary["peak_device_used_bytes"] = device_used
+        # per request (first, second, steady state): the peak, and the allocator's and the arenas' share of it
+        summary["device_used_per_request"] = laps
         summary["decoders"] = engine.decoder_stats()  # captures: how often a swap moved a decoder's weights
         summary["steady_captures"] = {k: v["captures"] + v["prefill_captures"] - captured.get(k, 0)
                                       for k, v in summary["decoders"].items()}
@@ -375,13 +381,21 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
                f"{first.ttft_s:.2f} s, {summary['first_request']['swap_in_bytes'] / 1e9:.2f} GB in; second: first "
                f"audio {second.first_audio_s or 0:.3f} s; steady-state captures {summary['steady_captures']}; held from "
                f"the driver at most {format_bytes(device_used or 0)} (reserved + mapped peaks "
-               f"{format_bytes(reserved or 0)})")
+               f"{format_bytes(reserved or 0)}; per request {_laps(laps)})")
         return summary
     finally:
         held.stop()
+        held.mapped = lambda: 0  # the loader goes with the engine
         engine.close()
         del engine
         free(cfg.device)
+
+
+def _laps(laps: list) -> str:
+    """'peak (reserved + mapped + other)' per request, in GiB."""
+    return ", ".join("-" if not lap or not lap.get("reserved") and not lap["peak"] else
+                     f"{lap['peak'] / GiB:.2f} ({lap.get('reserved', 0) / GiB:.2f} + {lap.get('mapped', 0) / GiB:.2f} + "
+                     f"{lap.get('other', 0) / GiB:.2f})" for lap in laps)
 
 
 def _peak_reserved(engine) -> int | None:
@@ -391,27 +405,30 @@ def _peak_reserved(engine) -> int | None:
 
     if engine.device.type != "cuda":
         return None
-    arenas = engine.loader._arenas
-    return torch.cuda.max_memory_reserved(engine.device) + (arenas.peak_ever if arenas is not None else 0)
+    return torch.cuda.max_memory_reserved(engine.device) + (engine.loader.mapped_bytes(peak_ever=True) or 0)
 
 
 class DeviceMemory:
     """The device's used memory sampled every `every` seconds on a thread of its own, from now until stop(): the
     peak above what was used at the start outside torch's allocator (the CUDA context, other processes): all the
     process took from the driver, allocator and mapped weights alike, as the other processes of an Orin would
-    see it. None off CUDA."""
+    see it; at that peak, what torch's allocator reserved and what `mapped()` said was mapped outside it, so
+    what neither accounts for shows. lap() ends one part (a request) and starts the next. None off CUDA."""
 
-    def __init__(self, device, every: float = 0.002):
+    def __init__(self, device, every: float = 0.002, mapped: Callable[[], int] = lambda: 0):
         import torch
 
         self._device = device
+        self.mapped = mapped
         self._stop = threading.Event()
         self.peak: int | None = None
+        self._lap: dict = {}
         if device.type != "cuda":
             return
         free_, total = torch.cuda.mem_get_info(device)
         self._base = total - free_ - torch.cuda.memory_reserved(device)
         self.peak = 0
+        self._lap = {"peak": 0}
         self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True, name="bench-memory")
         self._thread.start()
 
@@ -420,7 +437,19 @@ class DeviceMemory:
 
         while not self._stop.wait(every):
             free_, total = torch.cuda.mem_get_info(self._device)
-            self.peak = max(self.peak, total - free_ - self._base)
+            used = total - free_ - self._base
+            self.peak = max(self.peak, used)
+            if used > self._lap["peak"]:
+                reserved, mapped = torch.cuda.memory_reserved(self._device), self.mapped()
+                self._lap = {"peak": used, "reserved": reserved, "mapped": mapped,
+                             "other": used - reserved - mapped}
+
+    def lap(self) -> dict | None:
+        """The part just ended: its peak, and the allocator's reserved and the mapped bytes at that peak."""
+        if self.peak is None:
+            return None
+        lap, self._lap = self._lap, {"peak": 0}
+        return lap
 
     def stop(self) -> int | None:
         if self.peak is not None and not self._stop.is_set():
