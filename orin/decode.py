@@ -275,6 +275,7 @@ class StaticDecoder:
         inputs["last"] = torch.tensor([T - 1], device=self.device)
         key = (Tb, record, tuple(inputs["ds"].shape) if "ds" in inputs else None)
         consumed = False  # whether the prefill overwrote the embeddings (a long prompt's)
+        holdable = True  # whether a next turn may read this prompt's rows from the cache
         if graph and self.defer and key not in self._prefill_graphs:
             self._want(T, key, inputs)
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record)
@@ -287,6 +288,8 @@ class StaticDecoder:
             # after: not recorded, and not held for a next turn
             held = kept and _held_bytes(embeds, visual_given, len(record)) <= HELD_MAX_BYTES
             consumed = 0 not in record and not held
+            if not held:  # each deepstack level goes once added (0.27 GiB at 2 fps), not after the last layer
+                visual_given, holdable = None, False
             logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS,
                                                            consumed)
             self.last_prefill = "long"
@@ -299,7 +302,7 @@ class StaticDecoder:
         self.length = T
         self.runner.check = True
         states = {i: s[:T] for i, s in states.items()}
-        self._held = _hold(embeds, position_ids, visual_given, states) if kept and not consumed else None
+        self._held = _hold(embeds, position_ids, visual_given, states) if kept and holdable and not consumed else None
         return Prefilled(logits, hidden, {i: s.unsqueeze(0) for i, s in states.items()})
 
     def _shared_rows(self, embeds, position_ids, visual, record: tuple[int, ...], need: int) -> int:
@@ -457,8 +460,7 @@ class StaticDecoder:
             # buffer) and MoE blocks of half the rows.
             lean = visual is not None and i < len(visual[1])
             if whole and not lean:
-                x = attention_block_long(x, cos, sin, self.positions, self.k_cache[i], self.v_cache[i], w, spec,
-                                         chunk)
+                x = attention_block_long(x, cos, sin, self.k_cache[i], self.v_cache[i], w, spec, chunk)
             else:
                 # in place, chunk by chunk: a later chunk reads only its own rows of x, the earlier ones' keys and
                 # values being in the cache already

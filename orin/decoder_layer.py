@@ -89,10 +89,20 @@ def _linear(x, spec: LinearSpec, w: tuple):
 
 
 def _rms(x, weight, eps: float):
-    """HF's RMSNorm: normalise in float32, round to the input dtype, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """HF's RMSNorm: normalise in float32, round to the input dtype, then scale. torch's rms_norm does the first
+    two in one kernel where they took six, 3,300 times in a 25k-token video prefill (BENCHMARKS.md, run 51): bit
+    for bit HF's on CPU (tests/test_decode.py); on CUDA it sums in another order, so an element may round the
+    other way (tests/test_device_kernels.py)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def _rms_rows(x, weight, eps: float, chunk: int):
+    """_rms of a long prompt's rows, `chunk` at a time into one output: whole, its float32 intermediates (two of
+    [T, H]: 393 MiB at 25k tokens) set the 2 fps video prefill's peak (BENCHMARKS.md, run 50v)."""
+    out = torch.empty_like(x)
+    for s in range(0, x.shape[0], chunk):
+        out[s:s + chunk] = _rms(x[s:s + chunk], weight, eps)
+    return out
 
 
 def _rope(x, cos, sin):
@@ -300,12 +310,11 @@ def _dense_weight(spec: LinearSpec, w: tuple) -> torch.Tensor:
     return dequantize_packed(w[0], w[1], spec.group) if spec.int4 else w[0]
 
 
-def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int, backend=None):
-    """attention_block over a whole prompt from position 0, on cuDNN (cudnn_whole_prompt), adding into x (the
+def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int, backend=None):
+    """attention_block over a whole prompt, at the cache's positions from 0, on cuDNN (cudnn_whole_prompt), adding into x (the
     caller's own tensor) in place. Keys and values go into the cache `chunk` rows at a time; then one KV head's
-    group of query heads at a time, its queries for every row and one causal call over the whole prompt, so
-    besides x the working memory is a group's queries and the attention's output for all heads (at 25k tokens,
-    52 and 206 MB: no more than the MoE's that follows). Rows are padded to C.WHOLE_PROMPT_BUCKET: the padding's
+    group of query heads at a time, one causal call over the whole prompt each, so besides x the working memory
+    is every head's queries and the attention's output (at 25k tokens, 210 and 206 MB). Rows are padded to C.WHOLE_PROMPT_BUCKET: the padding's
     queries come after every real row and, the mask being causal, are never attended; the cache's padding
     positions are zeroed, so no stale value meets a zero weight. The projections, norms and rotary embedding are
     attention_block's, row for row. `backend`: SDPA's (None: cuDNN's, the reason this path exists; the CPU tests
@@ -316,32 +325,39 @@ def attention_block_long(x, cos, sin, pos, k_cache, v_cache, w: dict, spec: Laye
     hd, kv = spec.head_dim, spec.kv_heads
     rep = spec.heads // kv
     padded = min(k_cache.shape[2], -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET)
+    wq = _dense_weight(spec.q, w["q"])
+    bq = w["q"][-1] if spec.q.bias else None
+    # every head's queries for every row, each chunk's rows normed and projected once for its keys, values and
+    # queries together: one KV group's queries at a time normed each chunk again per group (five times a layer),
+    # and at a video's 25k rows their elementwise work and launches were a fifth of the prefill (BENCHMARKS.md,
+    # run 51). The buffer (210 MB at 25k rows) is under what the deepstack levels held at the prefill's peak.
+    q = x.new_zeros((1, spec.heads, padded, hd))
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        k, v = _keys_values(_rms(x[s:e], w["ln1"], spec.eps), cos[s:e], sin[s:e], w, spec)
-        k_cache.index_copy_(2, pos[s:e], k.unsqueeze(0))
-        v_cache.index_copy_(2, pos[s:e], v.unsqueeze(0))
+        h = _rms(x[s:e], w["ln1"], spec.eps)
+        k, v = _keys_values(h, cos[s:e], sin[s:e], w, spec)
+        # the prompt's positions are the cache's first T: a slice copy, where index_copy_'s kernel along the
+        # cache's third dimension took ~0.1 ms a chunk
+        k_cache[0, :, s:e] = k
+        v_cache[0, :, s:e] = v
+        h = h.to(wq.dtype)
+        if spec.q.k_run > spec.q.k:
+            h = F.pad(h, (0, spec.q.k_run - spec.q.k))
+        qs = _rms(F.linear(h, wq, bq).view(e - s, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
+        q[0, :, s:e] = _rope(qs, cos[s:e], sin[s:e])
+        del h, k, v, qs
     k_cache[:, :, T:padded].zero_()
     v_cache[:, :, T:padded].zero_()
-    wq = _dense_weight(spec.q, w["q"])
     out = x.new_empty((T, spec.heads * hd))
     for g in range(kv):
         cols = slice(g * rep * hd, (g + 1) * rep * hd)
-        wg, bg = wq[cols], (w["q"][-1][cols] if spec.q.bias else None)
-        q = x.new_zeros((1, rep, padded, hd))
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            # normed again per group: a whole-prompt copy would sit beside `out` at the prefill's peak
-            h = _rms(x[s:e], w["ln1"], spec.eps).to(wg.dtype)
-            if spec.q.k_run > spec.q.k:
-                h = F.pad(h, (0, spec.q.k_run - spec.q.k))
-            qg = _rms(F.linear(h, wg, bg).view(e - s, rep, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
-            q[0, :, s:e] = _rope(qg, cos[s:e], sin[s:e])
         with sdpa_kernel([backend or SDPBackend.CUDNN_ATTENTION]):
-            att = F.scaled_dot_product_attention(q, k_cache[:, g:g + 1, :padded], v_cache[:, g:g + 1, :padded],
-                                                 is_causal=True, scale=spec.scaling, enable_gqa=True)
+            att = F.scaled_dot_product_attention(q[:, g * rep:(g + 1) * rep], k_cache[:, g:g + 1, :padded],
+                                                 v_cache[:, g:g + 1, :padded], is_causal=True, scale=spec.scaling,
+                                                 enable_gqa=True)
         out[:, cols] = att[0, :, :T].transpose(0, 1).reshape(T, rep * hd)
-        del q, att
+        del att
+    del q
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
         x[s:e] += _linear(out[s:e], spec.o, w["o"])
@@ -410,7 +426,7 @@ def mlp_block_long(x, w: dict, spec: LayerSpec, chunk: int, max_rows: int | None
         for s in range(0, T, chunk):
             x[s:s + chunk] = mlp_block(x[s:s + chunk], w, spec)
         return x
-    h = _rms(x, w["ln2"], spec.eps)
+    h = _rms_rows(x, w["ln2"], spec.eps, chunk)
     top_w, top_i = _route(h, spec, w)
     if spec.mlp == "moe+shared":
         g, u, d = spec.dense

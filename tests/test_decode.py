@@ -220,9 +220,28 @@ def test_whole_prompt_attention_equals_the_chunks(engine):
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             want[s:e] = dl.attention_block(want[s:e], cos[s:e], sin[s:e], None, pos[s:e], k1, v1, w, spec, prefix=s)
-        got = dl.attention_block_long(x.clone(), cos, sin, pos, k2, v2, w, spec, chunk, backend=SDPBackend.MATH)
+        got = dl.attention_block_long(x.clone(), cos, sin, k2, v2, w, spec, chunk, backend=SDPBackend.MATH)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(k2[:, :, :T], k1[:, :, :T])
     torch.testing.assert_close(v2[:, :, :T], v1[:, :, :T])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got - x, want - x, atol=tol, rtol=tol)  # the attention's own contribution
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_hfs_bit_for_bit_whole_and_by_rows(dtype):
+    """The layer function's RMSNorm (torch's fused rms_norm, then HF's rounding and scale) against HF's module,
+    exactly; a long prompt's rows normed a chunk at a time (its last chunk short) give the same rows."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
+
+    import orin.decoder_layer as dl
+
+    gen = torch.Generator().manual_seed(3)
+    norm = Qwen3OmniMoeThinkerTextRMSNorm(256, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=gen))
+    x = (torch.randn((300, 256), generator=gen) * 4).to(dtype)
+    with torch.inference_mode():
+        want = norm(x)
+        assert torch.equal(dl._rms(x, norm.weight, 1e-6), want)
+        assert torch.equal(dl._rms_rows(x, norm.weight, 1e-6, 128), want)

@@ -349,3 +349,39 @@ def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine,
     torch.testing.assert_close(logits_l, logits_s, atol=1e-4, rtol=1e-4)
     for i in states_s:
         torch.testing.assert_close(states_l[i], states_s[i], atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_prompt_not_held_drops_each_deepstack_level_once_added(engine, clip_video, monkeypatch):
+    """A long video prompt too large to hold for a next turn: each deepstack level is freed as soon as the layer
+    after which it is added has run (nothing keeps it to the end of the prefill: at 2 fps the levels are 0.27
+    GiB, and they set the video prefill's peak, BENCHMARKS.md run 51), and no next turn reads its rows."""
+    import weakref
+
+    import orin.components as components
+    import orin.decode as decode
+    from orin.int4_experts import Int4Experts
+
+    req = GenerationRequest(messages=tuple(_messages(clip_video, audio=True)), max_new_tokens=6,
+                            max_audio_frames=20)
+    prompt = engine.prepare(req)
+    inputs = dict(prompt.inputs)
+    _collect(engine, req)
+    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)
+    monkeypatch.setattr(decode, "HELD_MAX_BYTES", 0)
+    alive_at_layer = []
+    real_add_long = Int4Experts.add_long
+
+    def add_long(self, *args, **kwargs):
+        alive_at_layer.append([ref() is not None for ref in refs])
+        return real_add_long(self, *args, **kwargs)
+
+    monkeypatch.setattr(Int4Experts, "add_long", add_long)
+    with torch.inference_mode():
+        merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
+        refs = [weakref.ref(level) for level in merged[3][1]]
+        dec = engine.thinker.prefill(merged, prompt.length + 1, graph=False)[0]
+    levels = len(refs)
+    assert levels >= 2 and len(alive_at_layer) >= levels
+    # at layer i's MLP, the levels added after layers 0..i-1 are gone, the rest still wait
+    assert alive_at_layer[:levels] == [[j >= i for j in range(levels)] for i in range(levels)]
+    assert all(ref() is None for ref in refs) and dec._held is None

@@ -208,8 +208,8 @@ def phase_peaks(device):
 
 def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) -> dict:
     """One video case on an all-resident engine: a warm-up (the prompt's shapes, new to the engine) cancelled
-    once its audio has met every code2wav shape, then the measured request. Peak: the allocator's, reset before
-    the request."""
+    once its audio has met every code2wav shape, then the measured request twice, the faster one reported. Peak:
+    the allocator's, reset before each."""
     import torch
 
     cuda = engine.device.type == "cuda"
@@ -217,15 +217,22 @@ def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) 
     t0 = time.perf_counter()
     stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks())
     warm_s = time.perf_counter() - t0
-    free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    with phase_peaks(engine.device) as peaks:
-        report = stream_request(engine, bench_request(cfg, case.inputs)).report
+    # Measured twice, as HF is (orin.devtools.bench_hf), and the faster reported: one request's TTFT moved by
+    # 0.2 s between runs on the lent host (runs 51-52), its unchanged vision encoder alike. The peak is the
+    # larger of the two.
+    runs = []
+    for _ in range(2):
+        free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        with phase_peaks(engine.device) as peaks:
+            runs.append((stream_request(engine, bench_request(cfg, case.inputs)).report, peaks))
+    report, peaks = min(runs, key=lambda r: r[0].ttft_s or float("inf"))
     summary = summarize_engine(report, f"orin-omni INT4 all-resident ({name})")
     summary["phase_peak_bytes"] = peaks
-    if cuda:  # the allocator's own peak over the whole request (the loader samples it at its checkpoints)
-        summary["peak_bytes"] = max(summary["peak_bytes"] or 0, *peaks.values())
+    summary["ttft_s_both"] = [r.ttft_s for r, _ in runs]
+    if cuda:  # the allocator's own peak over both requests (the loader samples it at its checkpoints)
+        summary["peak_bytes"] = max(summary["peak_bytes"] or 0, *(v for _, p in runs for v in p.values()))
     summary.update(counts)
     summary.update(video_phases(summary["timeline_s"]))
     summary["warmup_s"] = warm_s

@@ -1,0 +1,167 @@
+"""Where the video case's peak and time go (issue 16), at the real dimensions: the bench's 120 s clip at 2 fps with
+its soundtrack and one image, on an all-resident engine (no torch.compile, as the video bench runs), after a
+warm-up. Then, on the measured request (cut at its first audio packet):
+- memory: the allocator's history replayed to its peak, and the blocks alive at that moment grouped by the orin
+  lines that allocated them (what to shrink to stay under 24 GiB);
+- time: each prefill (thinker, talker) and encoder marked as a range, and the device's kernels summed within
+  each range, by kernel name (what to make faster, and in which pass).
+Run on the lent GPU like scripts/bench_gpu.sh:
+    python3 scripts/probe_video_prefill.py      # $OUT/video_probe.json and .txt
+PROBE_FPS (default 2) and PROBE_SECONDS (default 120) choose the clip.
+"""
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+
+from orin.devtools.bench_config import BenchConfig, bench_request, free, make_video_cases  # noqa: E402
+from orin.devtools.bench_engine import _load_all, open_engine, stream_request, warm_chunks  # noqa: E402
+from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
+
+out = os.environ.get("OUT", "/tmp")
+ck = os.environ.get("PROFILE_CKPT", "/tmp/probe/ckpt")
+CONFIG = os.environ.get("PROFILE_CONFIG", "tests/data/qwen3-omni-30b-a3b-instruct.config.json")
+lines: list[str] = []
+result: dict = {}
+
+
+def say(*a):
+    print(*a, flush=True)
+    lines.append(" ".join(str(x) for x in a))
+
+
+def where(frames, n: int = 4) -> str:
+    mine = [f"{f['filename'].split('/orin/')[-1]}:{f['line']} {f['name']}" for f in frames
+            if "/orin/" in f["filename"] and "devtools" not in f["filename"]]
+    return " <- ".join(mine[:n]) or "(outside orin)"
+
+
+if not os.path.exists(ck):
+    t = time.perf_counter()
+    write_synthetic_checkpoint(SyntheticConfig(config=CONFIG, out=ck, device="cuda", seed=0))
+    say("write", round(time.perf_counter() - t, 1))
+cfg = BenchConfig(config=CONFIG, synthetic=True, device="cuda", power_backend="none",
+                  video_seconds=float(os.environ.get("PROBE_SECONDS", "120")),
+                  video_fps=(float(os.environ.get("PROBE_FPS", "2")),))
+case = make_video_cases(cfg)[0]
+engine = open_engine(cfg, ck, None, False)
+_load_all(engine)
+t = time.perf_counter()
+stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks())
+say("warm-up", round(time.perf_counter() - t, 1))
+free("cuda")
+
+# ---- memory: the measured request to its first audio packet, every allocation recorded
+torch.cuda.reset_peak_memory_stats()
+base = torch.cuda.memory_allocated()
+torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+t = time.perf_counter()
+report = stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1).report
+wall = time.perf_counter() - t
+snap = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+peak = torch.cuda.max_memory_allocated()
+say("request", round(wall, 3), "s; allocated before", round(base / 2**30, 3), "GiB, peak", round(peak / 2**30, 3),
+    "GiB; timeline", {k: round(v, 3) for k, v in report.timeline_s.items()})
+result["timeline_s"] = report.timeline_s
+result["peak_bytes"], result["base_bytes"] = peak, base
+events = [e for trace in snap["device_traces"] for e in trace]
+live: dict = {}
+now = base
+best, best_live = now, {}
+for e in events:
+    if e["action"] == "alloc":
+        live[e["addr"]] = e
+        now += e["size"]
+        if now > best:
+            best, best_live = now, dict(live)
+    elif e["action"] in ("free_requested",) and e["addr"] in live:
+        now -= live.pop(e["addr"])["size"]
+groups = collections.Counter()
+for e in best_live.values():
+    groups[where(e.get("frames", []))] += e["size"]
+say("replayed peak", round(best / 2**30, 3), "GiB = before", round(base / 2**30, 3), "+ request's",
+    round((best - base) / 2**30, 3), "GiB, of which:")
+result["at_peak"] = []
+for name, size in groups.most_common(25):
+    say(f"  {size / 2**20:9.1f} MiB  {name}")
+    result["at_peak"].append({"bytes": size, "where": name})
+# what was allocated before the request (weights, caches, graph pools), by where: from the snapshot's segments
+before = collections.Counter()
+for seg in snap["segments"]:
+    for b in seg["blocks"]:
+        if b["state"] == "active_allocated":
+            before[where(b.get("frames", []), 2)] += b["size"]
+result["held_after"] = [{"bytes": s, "where": n} for n, s in before.most_common(15)]
+say("held when the request was cut:", [(round(s / 2**20), n) for n, s in before.most_common(8)])
+
+# ---- time: ranges around each prefill and encoder, kernels summed within each
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from orin import decode  # noqa: E402
+
+marked = []
+
+
+def mark(owner, name, label):
+    fn = getattr(owner, name)
+
+    def wrapper(self, *a, **k):
+        which = label(self) if callable(label) else label
+        with record_function(f"range:{which}"):
+            return fn(self, *a, **k)
+    setattr(owner, name, wrapper)
+    marked.append((owner, name, fn))
+
+
+mark(decode.StaticDecoder, "prefill",
+     lambda dec: "thinker_prefill" if dec is engine.decoders._made.get("thinker") else "talker_prefill")
+for mod in ("vision_encoder", "audio_encoder"):
+    m = __import__(f"orin.{mod}", fromlist=["x"])
+    for cls in vars(m).values():
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == m.__name__ and \
+                cls.__name__.endswith("Encoder"):
+            mark(cls, "forward", mod)
+free("cuda")
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1)
+    torch.cuda.synchronize()
+for owner, name, fn in marked:
+    setattr(owner, name, fn)
+evs = prof.events()
+
+
+def descendants(e):
+    for c in e.cpu_children:
+        yield c
+        yield from descendants(c)
+
+
+result["ranges"] = {}
+for label in sorted({e.name[6:] for e in evs if e.name.startswith("range:")}):
+    tops = [e for e in evs if e.name == f"range:{label}" and e.device_type.name == "CPU"]
+    inside = [k for r in tops for op in [r, *descendants(r)] for k in op.kernels]
+    total = sum(k.duration for k in inside)
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for k in inside:
+        by[k.name[:90]][0] += 1
+        by[k.name[:90]][1] += k.duration
+    span_us = sum(r.time_range.elapsed_us() for r in tops)
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:25]
+    result["ranges"][label] = {"calls": len(tops), "cpu_span_ms": span_us / 1e3, "kernel_ms": total / 1e3,
+                               "kernels": len(inside),
+                               "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in top]}
+    say(f"{label}: {len(tops)} call(s), host span {span_us / 1e3:.1f} ms, kernels {total / 1e3:.1f} ms in "
+        f"{len(inside)} launches")
+    for n, (c, us) in top:
+        say(f"   {us / 1e3:8.2f} ms {c:6d}x  {n}")
+with open(os.path.join(out, "video_probe.json"), "w") as f:
+    json.dump(result, f, indent=1, default=str)
+with open(os.path.join(out, "video_probe.txt"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+engine.close()
