@@ -302,13 +302,14 @@ def _prefill_bytes(T: int, d: dict, b: int) -> int:
     """A decoder's (thinker's or talker's) prefill working memory for T tokens, as orin.decode runs it: up to
     C.LONG_PREFILL_TOKENS in one pass (its attention's scores, where SDPA's math path materialises them); a longer
     prompt one layer at a time, its attention in chunks over the cache (one KV group's keys expanded at a time
-    where flash does not run) or, on Hopper, whole on cuDNN (every head's output and one KV group's queries for
-    every row, padded: orin.decoder_layer.attention_block_long; the larger of the two is counted), its MoE over every row in blocks of C.LONG_MOE_BLOCK_ROWS (a block's gathered
+    where flash does not run) or, on Hopper, whole on cuDNN (every head's queries and output for every row,
+    padded: orin.decoder_layer.attention_block_long; the larger of the two is counted), its MoE over every row
+    in blocks of C.LONG_MOE_BLOCK_ROWS (a block's gathered
     rows beside gate/up, its largest pair of intermediates), the router's scores and two hidden states
     whole-prompt (the layer's input, overwritten by its output, and the MLP's normed input)."""
     Tc = min(T, C.LONG_PREFILL_TOKENS)
     rep = d["heads"] // d["kv_heads"]
-    whole = (d["heads"] + rep) * -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET * d["head_dim"]
+    whole = 2 * d["heads"] * -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET * d["head_dim"]
     attn = (d["heads"] * Tc * Tc if T == Tc else max(2 * rep * T * d["head_dim"], whole)) * b
     proj = Tc * (4 * d["hidden"] + (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]) * b + 2 * T * d["hidden"] * b
     shared = Tc * 3 * d.get("shared_intermediate", 0) * b
