@@ -161,7 +161,7 @@ class Loader:
             # what the process's allocator holds for tensors still alive (another engine, in a test or a bench):
             # not this budget's. Its cached free blocks go back first: counted as held before, they raised the
             # cap by their size, and an 18 GiB engine opened after a 17 GB read held 21.4 GiB (BENCHMARKS.md,
-            # runs 44-46).
+            # runs 44 and 46-47).
             torch.cuda.empty_cache()
             self._held_before = torch.cuda.memory_reserved(device)
         self._memory = MemoryTracker(device, arenas=self._arenas)  # its `resident`: bytes per resident unit
@@ -383,6 +383,7 @@ class Loader:
         mine = {p for p in shells if self._shell_unit[p] == unit}
         if set(hit.buffers) != mine:
             log.warning("%s: the packed copy holds other modules than %s has; converting it", hit.path, unit)
+            blocks.drop_ahead()  # its first batch, read ahead into a staging buffer the next unit's reads take
             return False
         # read straight into the unit's arena (no copy), where it has one
         alloc = None if self._arenas is None else self._arenas.of(unit).take

@@ -158,6 +158,50 @@ def test_packed_units_are_read_ahead_across_their_files(quantized_dir, tmp_path,
         eng.close()
 
 
+def test_a_refused_copy_drops_its_read_ahead_at_once(quantized_dir, tmp_path, reference, monkeypatch):
+    """A packed copy that lists other modules than its unit has is refused and the unit converted. The first
+    batch the unit before it read ahead is waited for and dropped as the copy is refused, not after the units
+    that follow: their reads take the staging buffer it was filling. The unit's buffers are the conversion's."""
+    import dataclasses
+
+    from orin.loader import Loader
+
+    buffers, _ = reference
+    _served(quantized_dir, tmp_path / "cache")  # writes the copies
+    find = P.PackedCache.find
+
+    def refuse_second(self, unit, files):
+        hit = find(self, unit, files)
+        if hit is not None and unit.endswith("/1"):
+            return dataclasses.replace(hit, buffers={**hit.buffers, "no.such.module": {}})
+        return hit
+
+    refused = []
+    load_packed = Loader._load_packed
+
+    def spy(self, unit, hit, shells, got, blocks, batches, after):
+        ahead = blocks._ahead is not None
+        ok = load_packed(self, unit, hit, shells, got, blocks, batches, after)
+        if not ok:
+            refused.append((unit, ahead, blocks._ahead is None))
+        return ok
+
+    monkeypatch.setattr(P.PackedCache, "find", refuse_second)
+    monkeypatch.setattr(Loader, "_load_packed", spy)
+    eng = _engine(quantized_dir, tmp_path / "cache", budget=1 << 40)
+    try:
+        eng.loader.ensure("thinker_text")
+        assert refused == [("thinker_text/1", True, True)]
+        layer = "thinker.model.language_model.layers.1."
+        for path, (tensors, _) in buffers.items():
+            if path.startswith(layer):
+                got = eng.loader.shells[path].packed_state()[0]
+                for name, t in tensors.items():
+                    assert torch.equal(got[name], t), f"{path}.{name}"
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("change", ["torch", "code", "checkpoint"])
 def test_a_copy_for_another_layout_or_checkpoint_is_rebuilt(quantized_dir, tmp_path, change, monkeypatch):
     cache = tmp_path / "cache"
