@@ -311,13 +311,13 @@ def _dense_weight(spec: LinearSpec, w: tuple) -> torch.Tensor:
 
 
 def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec, chunk: int, backend=None):
-    """attention_block over a whole prompt, at the cache's positions from 0, on cuDNN (cudnn_whole_prompt), adding into x (the
-    caller's own tensor) in place. Keys and values go into the cache `chunk` rows at a time; then one KV head's
-    group of query heads at a time, one causal call over the whole prompt each, so besides x the working memory
-    is every head's queries and the attention's output (at 25k tokens, 210 and 206 MB). Rows are padded to C.WHOLE_PROMPT_BUCKET: the padding's
-    queries come after every real row and, the mask being causal, are never attended; the cache's padding
-    positions are zeroed, so no stale value meets a zero weight. The projections, norms and rotary embedding are
-    attention_block's, row for row. `backend`: SDPA's (None: cuDNN's, the reason this path exists; the CPU tests
+    """attention_block over a whole prompt, at the cache's positions from 0, on cuDNN (cudnn_whole_prompt),
+    adding into x (the caller's own tensor) in place. Keys, values and queries are made `chunk` rows at a time;
+    then one KV head's group of query heads at a time, one causal call over the whole prompt each, so besides x
+    the working memory is every head's queries and the attention's output (at 25k tokens, 210 and 206 MB). Rows
+    are padded to C.WHOLE_PROMPT_BUCKET: the padding's queries come after every real row and, the mask being
+    causal, are never attended; the cache's padding positions are zeroed, so no stale value meets a zero weight.
+    The projections, norms and rotary embedding are attention_block's, row for row. `backend`: SDPA's (None: cuDNN's, the reason this path exists; the CPU tests
     pass the math one, so the path is checked where no GPU is)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -330,7 +330,7 @@ def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec
     # every head's queries for every row, each chunk's rows normed and projected once for its keys, values and
     # queries together: one KV group's queries at a time normed each chunk again per group (five times a layer),
     # and at a video's 25k rows their elementwise work and launches were a fifth of the prefill (BENCHMARKS.md,
-    # run 51). The buffer (210 MB at 25k rows) is under what the deepstack levels held at the prefill's peak.
+    # run 50v). The buffer (210 MB at 25k rows) is under what the deepstack levels held at the prefill's peak.
     q = x.new_zeros((1, spec.heads, padded, hd))
     for s in range(0, T, chunk):
         e = min(T, s + chunk)

@@ -400,7 +400,7 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
 
 def _laps(laps: list) -> str:
     """'peak (reserved + mapped + other)' per request, in GiB."""
-    return ", ".join("-" if not lap or not lap.get("reserved") and not lap["peak"] else
+    return ", ".join("-" if not lap or not lap["peak"] else
                      f"{lap['peak'] / GiB:.2f} ({lap.get('reserved', 0) / GiB:.2f} + {lap.get('mapped', 0) / GiB:.2f} + "
                      f"{lap.get('other', 0) / GiB:.2f})" for lap in laps)
 
