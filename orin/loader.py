@@ -435,7 +435,6 @@ class Loader:
         if self._arenas is not None:
             sizes = self.unit_sizes()
             incoming = sum(sizes.get(unit, 0) for unit in units)
-            self._cap(incoming)
             self._trim(incoming)  # the allocator's cache gives way to what is about to be mapped
             for unit in units:
                 self._arenas.of(unit).begin(sizes.get(unit, 0))
@@ -449,7 +448,6 @@ class Loader:
             self._memory.resident.update(got)
             self._measured.update(got)
         if self.budget is not None:
-            self._cap()
             self._trim()  # what a load's blocks could not reuse of the cache
         nbytes = sum(got.values())
         self._record(Swap(component, "in", nbytes, time.perf_counter() - start, background, len(units),
@@ -508,7 +506,6 @@ class Loader:
                                    "elsewhere, so their memory is not freed")
         if self._arenas is not None:
             self._arenas.release(gone)
-            self._cap()
         self._trim()
         seconds = time.perf_counter() - start
         freed: dict[str, list[int]] = {}
@@ -521,9 +518,11 @@ class Loader:
                      len(self._units[comp]))
 
     def _trim(self, incoming: int = 0) -> None:
-        """Give the allocator's cached blocks back where the process holds more than its budget (with `incoming`
-        bytes about to be mapped beside it), or always, without one. Kept otherwise, for the next load: returning
-        them (cudaFree, each synchronising the device) took 0.3-0.4 s an eviction on an H200."""
+        """Cap the allocator at what the budget leaves (_cap), then give its cached blocks back where the process
+        holds more than its budget (with `incoming` bytes about to be mapped beside it), or always, without one.
+        Kept otherwise, for the next load: returning them (cudaFree, each synchronising the device) took 0.3-0.4 s
+        an eviction on an H200."""
+        self._cap(incoming)
         if self.device.type == "cuda" and (self.budget is None or self._memory.reserved() + incoming > self.budget):
             with GATE:  # never during another thread's capture
                 torch.cuda.empty_cache()

@@ -34,6 +34,16 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _cuda_engine(request, budget: int | None = None):
+    """An engine on the GPU over the device model (--device-model-dir, else the synthetic checkpoint); with a
+    budget nothing exceeds, time-sliced (weights in arenas), nothing evicted but what a test evicts."""
+    from orin.engine import Engine, EngineConfig
+
+    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
+    return Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
+                               compile=False, budget=budget))
+
+
 @pytest.fixture(scope="module")
 def cuda_engine(request):
     """An engine on CUDA with the thinker, talker and code predictor resident (its decoders are not used: each
@@ -41,11 +51,7 @@ def cuda_engine(request):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from orin.engine import Engine, EngineConfig
-
-    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
-    engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
-                                 compile=False))
+    engine = _cuda_engine(request)
     with torch.inference_mode():
         for comp in ("thinker_text", "talker", "code_predictor"):
             engine.loader.ensure(comp)
@@ -340,11 +346,7 @@ def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_
     captured again, and gives the same codes."""
     import torch
 
-    from orin.engine import Engine, EngineConfig
-
-    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
-    engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
-                                 compile=False, budget=1 << 40))
+    engine = _cuda_engine(request, budget=1 << 40)
     try:
         assert engine.loader.mapped_bytes() is not None, "this driver has no virtual memory management"
         with torch.inference_mode():
@@ -373,15 +375,11 @@ def test_a_budgeted_engine_hands_the_allocators_free_cache_back_before_counting_
     let an 18 GiB engine hold 21.4 GiB (BENCHMARKS.md, run 44)."""
     import torch
 
-    from orin.engine import Engine, EngineConfig
-
-    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
     block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     del block
     cached = torch.cuda.memory_reserved()
     assert cached >= 1 << 30
-    engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
-                                 compile=False, budget=1 << 40))
+    engine = _cuda_engine(request, budget=1 << 40)
     try:
         assert engine.loader.mapped_bytes() is not None, "this driver has no virtual memory management"
         assert torch.cuda.memory_reserved() <= cached - (1 << 30)
@@ -438,10 +436,8 @@ def test_time_sliced_replays_graphs_over_the_weights_that_stay_and_answers_as_al
     import torch
 
     from orin.contract import AudioChunk, Done, GenerationRequest
-    from orin.engine import Engine, EngineConfig
     from orin.media import synth_image, synth_speechlike
 
-    model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
     req = GenerationRequest(messages=({"role": "user", "content": [
         {"type": "image", "image": synth_image(96, seed=3)}, {"type": "audio", "audio": synth_speechlike(1.5, seed=4)},
         {"type": "text", "text": "What is this?"}]},), max_new_tokens=6, max_audio_frames=6, ignore_eos=True)
@@ -451,11 +447,7 @@ def test_time_sliced_replays_graphs_over_the_weights_that_stay_and_answers_as_al
         report = next(e.report for e in events if isinstance(e, Done))
         return report, (report.token_ids, tuple(f for e in events if isinstance(e, AudioChunk) for f in e.frames))
 
-    def make(budget=None):
-        return Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", budget=budget,
-                                   verify_checksums=False, compile=False))
-
-    engine = make()
+    engine = _cuda_engine(request)
     try:
         verdict = engine.plan(req).verdict
         sizes = engine.loader.sizes()
@@ -464,7 +456,7 @@ def test_time_sliced_replays_graphs_over_the_weights_that_stay_and_answers_as_al
         engine.close()
     budget = verdict.all_resident_bytes - sum(sizes[c] for c in ("talker", "code_predictor", "code2wav")) + \
         sizes["code2wav"] // 2
-    engine = make(budget)
+    engine = _cuda_engine(request, budget)
     try:
         with torch.inference_mode():
             for i in range(3):
