@@ -82,11 +82,20 @@ def cache_positions(n: int) -> int:
     """The positions a static KV cache that must hold `n` is given."""
     return -(-max(1, n) // CACHE_GRANULE) * CACHE_GRANULE
 
-# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 2,048 tokens'
-# worth at the thinker's top-8, 117 MB of rows and gate/up outputs at its widths; the GEMMs are as fast as with
-# twice as many (each expert still gets a hundred rows or more). Half as many (run 36) left the 2 fps video
-# prefill's peak where it was (24.02 GiB: the MoE's blocks are not what sets it) and added 1,500 launches.
-LONG_MOE_BLOCK_ROWS = 16384
+# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 4,096 tokens'
+# worth at the thinker's top-8, 235 MB of rows and gate/up outputs at its widths. Half as many (run 36) left the
+# GEMMs as fast but doubled the blocks, whose launches the host makes after the layer's sync with the GPU idle
+# until they come: with orin.plan.LONG_DEQUANT_CHUNK, twice the rows halved a video prefill's MoE launches
+# (BENCHMARKS.md, run 59). The extra bytes sit in the MLP's half of a layer, under the attention's peak there.
+LONG_MOE_BLOCK_ROWS = 32768
+
+
+def long_prefill_widen(thinker_hidden: int, hidden: int) -> int:
+    """How many times the thinker's rows (LONG_PREFILL_TOKENS a chunk, LONG_MOE_BLOCK_ROWS a MoE block) a long
+    prompt's chunks and blocks take in a decoder `hidden` wide: the talker, half the thinker's width in its
+    hidden state, queries and experts, twice as many rows for the same bytes. At 25k video rows its prefill was
+    8,250 launches, a third of its time host-bound (BENCHMARKS.md, run 52v); twice the rows a launch halve its chunks' and blocks'."""
+    return max(1, thinker_hidden // hidden)
 
 
 def component_of(param_name: str) -> str | None:

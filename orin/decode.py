@@ -122,10 +122,13 @@ class StaticDecoder:
     """Static-cache decoding of one sequence: `prefill(embeds, positions, max_len)`, then `step(token)` (thinker:
     returns logits [1, vocab]) or `step_embeds(embeds)` (talker: returns (logits, last hidden))."""
 
-    def __init__(self, text_model, head, device: torch.device, compile: bool = False):
+    def __init__(self, text_model, head, device: torch.device, compile: bool = False, widen: int = 1):
+        """`widen`: how many times the thinker's rows a long prompt's chunk and MoE blocks take here (a decoder
+        of half the thinker's width: twice the rows, the same bytes; orin.components.long_prefill_widen)."""
         self.model, self.head = text_model, head
         self.cfg = text_model.config
         self.device = device
+        self.widen = widen
         self.runner = GraphRunner(device, device.type == "cuda" and _int4_experts_only(text_model), compile)
         self.max_len = 0
         self.length = 0
@@ -290,8 +293,8 @@ class StaticDecoder:
             consumed = 0 not in record and not held
             if not held:  # each deepstack level goes once added (0.27 GiB at 2 fps), not after the last layer
                 visual_given, holdable = None, False
-            logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual, C.LONG_PREFILL_TOKENS,
-                                                           consumed)
+            logits, hidden, states = self._prefill_chunked(inputs, record, eager_visual,
+                                                           C.LONG_PREFILL_TOKENS * self.widen, consumed)
             self.last_prefill = "long"
         else:
             logits, hidden, states = self._prefill_forward(decoder_layer, inputs, record, eager_visual)
@@ -468,7 +471,7 @@ class StaticDecoder:
                     e = min(T, s + chunk)
                     x[s:e] = attention_block(x[s:e], cos[s:e], sin[s:e], None, self.positions[s:e],
                                              self.k_cache[i], self.v_cache[i], w, spec, prefix=s)
-            x = mlp_block_long(x, w, spec, chunk, C.LONG_MOE_BLOCK_ROWS // 2 if lean else None)
+            x = mlp_block_long(x, w, spec, chunk, C.LONG_MOE_BLOCK_ROWS * self.widen // (2 if lean else 1))
             if i + 1 in record:
                 states[i + 1] = m.norm(x) if i + 1 == len(layers) else x
                 owned = i + 1 == len(layers)
@@ -810,7 +813,9 @@ class Decoders:
     @property
     def talker(self) -> StaticDecoder:
         t = self.model.talker
-        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, self.device, self.compile))
+        widen = C.long_prefill_widen(self.model.thinker.model.language_model.config.hidden_size,
+                                     t.model.config.hidden_size)
+        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, self.device, self.compile, widen))
 
     @property
     def code_predictor(self) -> CodePredictor:

@@ -68,16 +68,19 @@ class LayerSpec:
     triton_moe: bool = False  # CUDA with Triton: orin.kernels.int4_gemm.moe_gemv reads the chosen experts in place
 
 
-def _linear(x, spec: LinearSpec, w: tuple):
+def _linear(x, spec: LinearSpec, w: tuple, dense: torch.Tensor | None = None):
     """x [T, k] -> [T, n]; w is (weight[, bias]) for dense, (packed, scales_and_zeros[, bias]) for INT4. Prefill
     rows go through the dequantized weight and one dense GEMM (from orin.int4.GRAPH_DEQUANT_MIN_ROWS: the
-    prefill is meant to run in a CUDA graph, where the dequantizer's launch costs no host time)."""
+    prefill is meant to run in a CUDA graph, where the dequantizer's launch costs no host time); `dense`: that
+    weight, dequantized once by a caller that projects many chunks with it (_dense_weight)."""
     if not spec.int4:
         return F.linear(x, w[0], w[1] if spec.bias else None)
     x = x.to(w[1].dtype)
     if spec.k_run > spec.k:
         x = F.pad(x, (0, spec.k_run - spec.k))
-    if x.shape[0] >= GRAPH_DEQUANT_MIN_ROWS:
+    if dense is not None:
+        y = F.linear(x, dense)
+    elif x.shape[0] >= GRAPH_DEQUANT_MIN_ROWS:
         y = F.linear(x, dequantize_packed(w[0], w[1], spec.group))
     else:
         y = int4_mm(x.contiguous(), w[0], spec.group, w[1])
@@ -327,6 +330,9 @@ def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec
     padded = min(k_cache.shape[2], -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET)
     wq = _dense_weight(spec.q, w["q"])
     bq = w["q"][-1] if spec.q.bias else None
+    # the other projections' INT4 weights dequantized once a layer too, not once a chunk (at 25k rows, 21
+    # dequantizations a layer, 1,000 launches a prefill; 20 MB at the thinker's widths)
+    dense = {n: _dense_weight(getattr(spec, n), w[n]) for n in ("k", "v", "o") if getattr(spec, n).int4}
     # every head's queries for every row, each chunk's rows normed and projected once for its keys, values and
     # queries together: one KV group's queries at a time normed each chunk again per group (five times a layer),
     # and at a video's 25k rows their elementwise work and launches were a fifth of the prefill (BENCHMARKS.md,
@@ -335,7 +341,7 @@ def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
         h = _rms(x[s:e], w["ln1"], spec.eps)
-        k, v = _keys_values(h, cos[s:e], sin[s:e], w, spec)
+        k, v = _keys_values(h, cos[s:e], sin[s:e], w, spec, dense)
         # the prompt's positions are the cache's first T: a slice copy, where index_copy_'s kernel along the
         # cache's third dimension took ~0.1 ms a chunk
         k_cache[0, :, s:e] = k
@@ -360,7 +366,7 @@ def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec
     del q
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        x[s:e] += _linear(out[s:e], spec.o, w["o"])
+        x[s:e] += _linear(out[s:e], spec.o, w["o"], dense.get("o"))
     return x
 
 
@@ -373,11 +379,13 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
     return mlp_block(attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w, spec, prefix), w, spec)
 
 
-def _keys_values(h, cos, sin, w: dict, spec: LayerSpec):
-    """The keys (normed, rotated) and values [kv_heads, T, head_dim] of T normed rows h."""
+def _keys_values(h, cos, sin, w: dict, spec: LayerSpec, dense: dict | None = None):
+    """The keys (normed, rotated) and values [kv_heads, T, head_dim] of T normed rows h (`dense`: their INT4
+    weights dequantized, by name, as _linear takes them)."""
     T, hd, kv = h.shape[0], spec.head_dim, spec.kv_heads
-    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
-    return _rope(k, cos, sin), _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
+    dense = dense or {}
+    k = _rms(_linear(h, spec.k, w["k"], dense.get("k")).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+    return _rope(k, cos, sin), _linear(h, spec.v, w["v"], dense.get("v")).view(T, kv, hd).transpose(0, 1)
 
 
 def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):

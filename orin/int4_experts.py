@@ -28,8 +28,8 @@ from torch import nn
 from . import components as C
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
-from .int4pack import KernelWeight, check_device, dequantize_packed, grouped_gemm, int4_mm, to_kernel
-from .plan import PREFILL_DEQUANT_CHUNK
+from .int4pack import KernelWeight, check_device, combine_rows, dequantize_packed, grouped_gemm, int4_mm, to_kernel
+from .plan import LONG_DEQUANT_CHUNK, PREFILL_DEQUANT_CHUNK
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 PACKED_BUFFERS = ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros")
@@ -370,7 +370,7 @@ class Int4Experts(nn.Module):
     def add_long(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  into: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
         """``into += forward(hidden_states, top_k_index, top_k_weights)`` for a long prompt's rows (thousands of
-        tokens): experts dequantized whole, a piece of at most PREFILL_DEQUANT_CHUNK bytes at a time and each
+        tokens): experts dequantized whole, a piece of at most LONG_DEQUANT_CHUNK bytes at a time and each
         once, their rows through BF16 grouped GEMMs in blocks of at most `max_rows` (the gathered rows' memory
         stays a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest
         route: per layer one dequantization of every expert (1.6 ms on an H200) and GEMMs at the BF16 rate,
@@ -381,13 +381,16 @@ class Int4Experts(nn.Module):
         max_rows = max_rows or C.LONG_MOE_BLOCK_ROWS
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
-        counts = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E].tolist()  # the one host sync
+        counts = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E]
+        # launched before the sync, while the GPU is still busy: what needs no counts
         token = order // k
         weights = top_k_weights.reshape(-1)[order]
+        inv = combine_rows.inverse(order)
+        counts = counts.tolist()  # the one host sync
         gu_group, dn_group = self._geom["gate_up"][0], self._geom["down"][0]
         per_expert = (self.gate_up_scales_and_zeros.shape[-2] * self._geom["gate_up"][1]
                       + self.down_scales_and_zeros.shape[-2] * self._geom["down"][1]) * into.element_size()
-        per = max(1, PREFILL_DEQUANT_CHUNK // per_expert)
+        per = max(1, LONG_DEQUANT_CHUNK // per_expert)
         pieces = [(e0, min(E, e0 + per), list(_row_blocks(counts[e0:e0 + per], max_rows)))
                   for e0 in range(0, E, per) if sum(counts[e0:e0 + per])]
         # every block's group ends in one copy: a tensor made from a host list per block is a pageable copy,
@@ -410,8 +413,7 @@ class Int4Experts(nn.Module):
                 del gate_up
                 out = grouped_matmul(act, w_dn[lo:lo + len(block)], block, ends)
                 del act
-                out = out[:, :self.hidden_dim].to(into.dtype).mul_(weights[sl, None].to(into.dtype))
-                into.index_add_(0, token[sl], out)
+                combine_rows(into, out, weights, token[sl], inv, start, k)
                 del out
                 start += rows
             del w_gu, w_dn

@@ -326,16 +326,55 @@ class _GroupedGemm:
 grouped_gemm = _GroupedGemm()
 
 
+class _RowCombiner:
+    """A long prompt's MoE combine (``orin.kernels.moe_combine.combine_block``: no atomics) where it can run
+    (CUDA, Triton); elsewhere, or after the kernel failed once in this process, ``index_add_`` of the weighted
+    rows."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def inverse(self, order: torch.Tensor) -> torch.Tensor | None:
+        """Where each (token, choice) landed in the expert sort `order` (what the kernel looks rows up by), or
+        None where the kernel does not run."""
+        if not (self.error is None and order.is_cuda and triton_available()):
+            return None
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        return inv
+
+    def __call__(self, into: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor,
+                 inv: torch.Tensor | None, lo: int, k: int) -> torch.Tensor:
+        """``into[token[i - lo]] += weights[i] * out[i - lo, :H]`` for the sorted rows i in [lo, lo + len(out)):
+        weights [T * k] in sort order, `token` the block's own tokens, `inv` from ``inverse`` (or None)."""
+        if inv is not None and self.error is None:
+            from .kernels import moe_combine
+
+            try:
+                return moe_combine.combine_block(into, out, weights, inv, lo, k)
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
+                self.error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("the Triton MoE combine failed (%s); using index_add_", exc)
+        rows = out[:, :into.shape[1]].to(into.dtype).mul_(weights[lo:lo + out.shape[0], None].to(into.dtype))
+        return into.index_add_(0, token, rows)
+
+
+combine_rows = _RowCombiner()
+
+
 def kernel_errors() -> dict[str, str | None]:
     """The Triton kernels switched off in this process, and why: {"grouped_gemm": error or None, "dequantize":
-    error or None}. A switched-off kernel's torch fallback computes the same result, slower."""
-    return {"grouped_gemm": grouped_gemm.error, "dequantize": dequantize_packed.error}
+    error or None, "moe_combine": error or None}. A switched-off kernel's torch fallback computes the same
+    result, slower (the combine's: rounded per row, not once)."""
+    return {"grouped_gemm": grouped_gemm.error, "dequantize": dequantize_packed.error,
+            "moe_combine": combine_rows.error}
 
 
 __all__ = [
     "CPU_CONVERT_CHUNK_ROWS",
     "KernelWeight",
     "check_device",
+    "combine_rows",
     "dequantize_packed",
     "grouped_gemm",
     "int4_mm",

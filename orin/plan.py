@@ -39,6 +39,12 @@ RUNTIME_MARGIN = 768 << 20
 # Most bytes of INT4 expert weights the prefill holds dequantized at once where it cannot run the Triton grouped
 # GEMM (orin.int4: dequantized chunks of experts and torch._grouped_mm); reserved either way.
 PREFILL_DEQUANT_CHUNK = 64 << 20
+# The same for a long prompt's MoE (orin.int4_experts.Int4Experts.add_long, whose row blocks are as large:
+# orin.components.LONG_MOE_BLOCK_ROWS): each piece of experts costs launches the host makes after the layer's one
+# sync, with the GPU idle until they come. Twice the bytes, half the pieces: with the larger blocks, a 25k-token
+# video's thinker prefill went from 1.33 to 1.25 s (BENCHMARKS.md, run 59). The extra bytes sit in the MLP's half
+# of a layer, under the attention's peak.
+LONG_DEQUANT_CHUNK = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -292,13 +298,14 @@ def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     return {"thinker_text": thinker, "talker": talker, "code_predictor": predictor if talker_len else 0}
 
 
-def _dequant_bytes(d: dict, b: int) -> int:
-    """The prefill's dequantized-experts chunk: whole experts, at most PREFILL_DEQUANT_CHUNK bytes."""
+def _dequant_bytes(d: dict, b: int, long: bool = False) -> int:
+    """The prefill's dequantized-experts chunk: whole experts, at most PREFILL_DEQUANT_CHUNK bytes
+    (LONG_DEQUANT_CHUNK for a `long` prompt's)."""
     one = 2 * d["moe_intermediate"] * d["hidden"] * b  # the larger projection: fused gate/up
-    return one * max(1, min(d["experts"], PREFILL_DEQUANT_CHUNK // one))
+    return one * max(1, min(d["experts"], (LONG_DEQUANT_CHUNK if long else PREFILL_DEQUANT_CHUNK) // one))
 
 
-def _prefill_bytes(T: int, d: dict, b: int) -> int:
+def _prefill_bytes(T: int, d: dict, b: int, widen: int = 1) -> int:
     """A decoder's (thinker's or talker's) prefill working memory for T tokens, as orin.decode runs it: up to
     C.LONG_PREFILL_TOKENS in one pass (its attention's scores, where SDPA's math path materialises them); a longer
     prompt one layer at a time, its attention in chunks over the cache (one KV group's keys expanded at a time
@@ -306,18 +313,23 @@ def _prefill_bytes(T: int, d: dict, b: int) -> int:
     padded: orin.decoder_layer.attention_block_long; the larger of the two is counted), its MoE over every row
     in blocks of C.LONG_MOE_BLOCK_ROWS (a block's gathered
     rows beside gate/up, its largest pair of intermediates), the router's scores and two hidden states
-    whole-prompt (the layer's input, overwritten by its output, and the MLP's normed input)."""
-    Tc = min(T, C.LONG_PREFILL_TOKENS)
+    whole-prompt (the layer's input, overwritten by its output, and the MLP's normed input), and the attention's
+    projections dequantized. A long prompt's chunks and blocks are `widen` times the thinker's rows
+    (orin.components.long_prefill_widen)."""
+    long = T > C.LONG_PREFILL_TOKENS
+    Tc = min(T, C.LONG_PREFILL_TOKENS * widen) if long else T
     rep = d["heads"] // d["kv_heads"]
     whole = 2 * d["heads"] * -(-T // C.WHOLE_PROMPT_BUCKET) * C.WHOLE_PROMPT_BUCKET * d["head_dim"]
-    attn = (d["heads"] * Tc * Tc if T == Tc else max(2 * rep * T * d["head_dim"], whole)) * b
+    attn = (max(2 * rep * T * d["head_dim"], whole) if long else d["heads"] * Tc * Tc) * b
     proj = Tc * (4 * d["hidden"] + (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"]) * b + 2 * T * d["hidden"] * b
     shared = Tc * 3 * d.get("shared_intermediate", 0) * b
-    if T == Tc:
+    if not long:
         moe = Tc * d["top_k"] * (3 * d["moe_intermediate"] + 2 * d["hidden"]) * b
     else:
-        moe = C.LONG_MOE_BLOCK_ROWS * (d["hidden"] + 2 * d["moe_intermediate"]) * b
+        moe = C.LONG_MOE_BLOCK_ROWS * widen * (d["hidden"] + 2 * d["moe_intermediate"]) * b
         proj += T * d["experts"] * 4
+        # the attention's projections dequantized once a layer (q, k, v, o)
+        proj += 2 * (d["heads"] + d["kv_heads"]) * d["head_dim"] * d["hidden"] * b
     return attn + proj + moe + shared
 
 
@@ -340,9 +352,12 @@ def activation_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
         done = (tokens["image"] + tokens["video"]) * t["hidden"] * b * (1 + t.get("deepstack", 3))
         out["vision_encoder"] = P * (6 * v["hidden"] + v["intermediate"]) * b + v["heads"] * P * frame * b + done
     visual = (tokens["image"] + tokens["video"]) * t["hidden"] * b * t.get("deepstack", 3)
-    out["thinker_text"] = _prefill_bytes(T, t, b) + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b)
+    long = T > C.LONG_PREFILL_TOKENS
+    out["thinker_text"] = _prefill_bytes(T, t, b) + visual + t["vocab"] * 4 * 2 + _dequant_bytes(t, b, long)
     if tokens["talker_frames"]:
-        out["talker"] = _prefill_bytes(T + 9, k, b) + k["vocab"] * 4 + _dequant_bytes(k, b)
+        widen = C.long_prefill_widen(t["hidden"], k["hidden"])
+        out["talker"] = (_prefill_bytes(T + 9, k, b, widen) + k["vocab"] * 4
+                         + _dequant_bytes(k, b, T + 9 > C.LONG_PREFILL_TOKENS))
         c = dims["code2wav"]
         length = (C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT) * math.prod(c["upsampling_ratios"])
         peak = length * c["hidden"] * 4 * b

@@ -6,29 +6,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from . import components as C
 from .decode import Decoders
 from .errors import ModelError
 from .request_state import RequestState
 
 # The code predictor's sampling when the talker samples, as HF's talker calls it (top_k 50, top_p 0.8).
 CODE_TOP_K, CODE_TOP_P = 50, 0.8
-# The user turns' projections run on blocks of this many rows (see _in_blocks).
+# The user turns' projections run on blocks of this many rows (see _in_blocks); a long prompt's (over
+# orin.components.LONG_PREFILL_TOKENS: a video's) on blocks of LONG_PROJECTION_ROWS, where 64-row blocks were
+# 1,200 launches and 50 ms of host time (profiled) between a 25k-token video's first token and its first audio
+# (BENCHMARKS.md, run 59v).
 PROJECTION_ROWS = 64
+LONG_PROJECTION_ROWS = 2048
 
 
-def _in_blocks(fn, x):
-    """fn over x [1, n, H] in blocks of PROJECTION_ROWS rows, the last padded: every row comes out of a GEMM of
-    the same shape, so the same bits in every prompt it is part of. A conversation's next turn then finds its
-    earlier turns' talker rows unchanged, and its talker prefill reads them from the cache (orin.decode compares
-    them bit for bit); one GEMM over all the rows could take another kernel as the prompt grows."""
+def _in_blocks(fn, x, rows: int = PROJECTION_ROWS):
+    """fn over x [1, n, H] in blocks of `rows` rows, the last padded: every row comes out of a GEMM of the same
+    shape, so the same bits in every prompt of its class (long or not) it is part of. A conversation's next turn
+    then finds its earlier turns' talker rows unchanged, and its talker prefill reads them from the cache
+    (orin.decode compares them bit for bit); one GEMM over all the rows could take another kernel as the prompt
+    grows."""
     import torch
     import torch.nn.functional as F
 
     n = x.shape[1]
-    pad = -n % PROJECTION_ROWS
+    pad = -n % rows
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    return torch.cat([fn(x[:, i:i + PROJECTION_ROWS]) for i in range(0, n + pad, PROJECTION_ROWS)], dim=1)[:, :n]
+    return torch.cat([fn(x[:, i:i + rows]) for i in range(0, n + pad, rows)], dim=1)[:, :n]
 
 
 class Talker:
@@ -81,10 +87,12 @@ class Talker:
                            dtype=t.codec_head.weight.dtype)
         mm_rows = torch.nonzero(mm).flatten().to(self.device)
         text_rows = torch.nonzero(~mm).flatten().to(self.device)
+        block = LONG_PROJECTION_ROWS if seq_len > C.LONG_PREFILL_TOKENS else PROJECTION_ROWS
         if mm_rows.numel():
-            full.index_copy_(1, mm_rows, _in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows)))
+            full.index_copy_(1, mm_rows, _in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows),
+                                                    block))
         text_ids = host_ids[~mm].view(1, -1).to(self.device)
-        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.text_embeddings(text_ids)))
+        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.text_embeddings(text_ids), block))
         return full.index_select(1, user_rows.to(self.device)), host_ids[user_rows]
 
     def _assistant_part(self, host_ids, a_start: int, speaker_id: int, bos, pad):

@@ -105,6 +105,8 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from orin import decode  # noqa: E402
 
 marked = []
+current = ["-"]
+layer_peaks = collections.defaultdict(list)  # range -> the allocator's peak over each long-prefill block
 
 
 def mark(owner, name, label):
@@ -112,20 +114,39 @@ def mark(owner, name, label):
 
     def wrapper(self, *a, **k):
         which = label(self) if callable(label) else label
+        current[0] = which
         with record_function(f"range:{which}"):
             return fn(self, *a, **k)
     setattr(owner, name, wrapper)
     marked.append((owner, name, fn))
 
 
+def peaks(module, name):
+    fn = getattr(module, name)
+
+    def wrapper(*a, **k):
+        torch.cuda.reset_peak_memory_stats()
+        y = fn(*a, **k)
+        layer_peaks[current[0]].append((name, torch.cuda.max_memory_allocated()))
+        return y
+    setattr(module, name, wrapper)
+    marked.append((module, name, fn))
+
+
 mark(decode.StaticDecoder, "prefill",
      lambda dec: "thinker_prefill" if dec is engine.decoders._made.get("thinker") else "talker_prefill")
+from orin import talker as talker_mod  # noqa: E402
+
+mark(talker_mod.Talker, "prefill", "talker_whole")
+mark(talker_mod.Talker, "_user_part", "talker_user_part")
 for mod in ("vision_encoder", "audio_encoder"):
     m = __import__(f"orin.{mod}", fromlist=["x"])
     for cls in vars(m).values():
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == m.__name__ and \
                 cls.__name__.endswith("Encoder"):
             mark(cls, "forward", mod)
+peaks(decode, "attention_block_long")
+peaks(decode, "mlp_block_long")
 free("cuda")
 torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -145,12 +166,16 @@ def descendants(e):
 result["ranges"] = {}
 for label in sorted({e.name[6:] for e in evs if e.name.startswith("range:")}):
     tops = [e for e in evs if e.name == f"range:{label}" and e.device_type.name == "CPU"]
-    inside = [k for r in tops for op in [r, *descendants(r)] for k in op.kernels]
+    launched = [(op.name, k) for r in tops for op in [r, *descendants(r)] for k in op.kernels]
+    inside = [k for _, k in launched]
     total = sum(k.duration for k in inside)
     by = collections.defaultdict(lambda: [0, 0.0])
-    for k in inside:
+    by_op = collections.defaultdict(lambda: [0, 0.0])
+    for op, k in launched:
         by[k.name[:90]][0] += 1
         by[k.name[:90]][1] += k.duration
+        by_op[(op, k.name[:60])][0] += 1
+        by_op[(op, k.name[:60])][1] += k.duration
     span_us = sum(r.time_range.elapsed_us() for r in tops)
     top = sorted(by.items(), key=lambda kv: -kv[1][1])[:25]
     result["ranges"][label] = {"calls": len(tops), "cpu_span_ms": span_us / 1e3, "kernel_ms": total / 1e3,
@@ -160,6 +185,16 @@ for label in sorted({e.name[6:] for e in evs if e.name.startswith("range:")}):
         f"{len(inside)} launches")
     for n, (c, us) in top:
         say(f"   {us / 1e3:8.2f} ms {c:6d}x  {n}")
+    say("  by the op that launched them:")
+    top_op = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:30]
+    result["ranges"][label]["by_op"] = [{"op": o, "kernel": n, "calls": c, "ms": us / 1e3}
+                                        for (o, n), (c, us) in top_op]
+    for (o, n), (c, us) in top_op:
+        say(f"   {us / 1e3:8.2f} ms {c:6d}x  {o:28s} {n}")
+for label, seq in layer_peaks.items():
+    gib = [round(b / 2**30, 3) for _, b in seq]
+    say(f"{label}: allocator peak per long-prefill block (GiB, attention and MLP alternating):", gib)
+result["layer_peaks"] = {k: v for k, v in layer_peaks.items()}
 with open(os.path.join(out, "video_probe.json"), "w") as f:
     json.dump(result, f, indent=1, default=str)
 with open(os.path.join(out, "video_probe.txt"), "w") as f:

@@ -257,21 +257,25 @@ def test_a_failed_idle_capture_leaves_nothing_to_read(engine, decoder):
     assert not decoder.last_prefill.startswith("reused")
 
 
-def test_the_talkers_projections_run_on_fixed_blocks():
-    """The talker's user-turn projections see only PROJECTION_ROWS-row inputs, whatever the prompt's length, so
-    a row's projection has the same bits in every turn (on CUDA a GEMM's kernel depends on its rows)."""
+@pytest.mark.parametrize("rows", [None, 40])
+def test_the_talkers_projections_run_on_fixed_blocks(rows):
+    """The talker's user-turn projections see only PROJECTION_ROWS-row inputs (a long prompt's: blocks of
+    LONG_PROJECTION_ROWS, here 40), whatever the prompt's length, so a row's projection has the same bits in every
+    turn (on CUDA a GEMM's kernel depends on its rows)."""
     from orin.talker import PROJECTION_ROWS, _in_blocks
 
+    block = rows or PROJECTION_ROWS
+    given = {"rows": rows} if rows else {}
     proj = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8))
     seen: list[int] = []
     proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
-    x = torch.randn(1, 3 * PROJECTION_ROWS + 5, 16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3 * block + 5, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        whole = _in_blocks(proj, x)
-        shorter = _in_blocks(proj, x[:, :PROJECTION_ROWS + 9])
-    assert set(seen) == {PROJECTION_ROWS} and len(seen) == 4 + 2
+        whole = _in_blocks(proj, x, **given)
+        shorter = _in_blocks(proj, x[:, :block + 9], **given)
+    assert set(seen) == {block} and len(seen) == 4 + 2
     assert whole.shape == (1, x.shape[1], 8)
-    assert torch.equal(shorter, whole[:, :PROJECTION_ROWS + 9])
+    assert torch.equal(shorter, whole[:, :block + 9])
     torch.testing.assert_close(whole, proj(x))
 
 

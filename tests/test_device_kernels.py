@@ -171,9 +171,11 @@ def test_prefill_moe_routes_match_tinygemm_per_expert(cuda_engine, route):
 
 
 def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine):
-    """A long prompt's MoE (add_long: experts dequantized once, BF16 grouped GEMMs in row blocks) against tinygemm
-    expert by expert, with blocks small enough that experts' rows split across them."""
+    """A long prompt's MoE (add_long: experts dequantized once, BF16 grouped GEMMs in row blocks, the Triton
+    combine) against tinygemm expert by expert, with blocks small enough that experts' rows split across them."""
     import torch
+
+    from orin.int4pack import kernel_errors
 
     layer = _moe_layer(cuda_engine)
     experts = layer.mlp.experts
@@ -183,7 +185,10 @@ def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine):
         w, idx = layer.mlp.gate(h)
         ref = experts(h, idx, w, route="tinygemm")
         got = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
+        again = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
     assert _rel(got, ref) < MOE_ROUTE_TOL
+    # the combine ran as the Triton kernel (no fallback), whose sums have no atomics: the same bits every time
+    assert kernel_errors()["moe_combine"] is None and torch.equal(got, again)
 
 
 def test_prefill_chunk_attention_on_flash_matches_the_lower_right_bias(monkeypatch):

@@ -516,7 +516,7 @@ def test_int4_experts_long_prompt_route_adds_the_same_output(max_rows, monkeypat
                                     device="cpu", dtype=torch.float32)
     one = 4 * (experts.gate_up_scales_and_zeros.shape[-2] * experts._geom["gate_up"][1]
                + experts.down_scales_and_zeros.shape[-2] * experts._geom["down"][1])
-    monkeypatch.setattr(int4_experts, "PREFILL_DEQUANT_CHUNK", 3 * one)  # pieces of 3 experts
+    monkeypatch.setattr(int4_experts, "LONG_DEQUANT_CHUNK", 3 * one)  # pieces of 3 experts
     x = torch.randn(23, H, generator=gen)
     idx, w = _routing(23, gen)
     idx[::4, 0] = E

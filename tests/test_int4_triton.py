@@ -1,4 +1,4 @@
-"""orin.kernels.int4_gemm's and orin.kernels.router's kernels under Triton's CPU interpreter, on weights in torch's
+"""orin.kernels' int4_gemm, router and moe_combine kernels under Triton's CPU interpreter, on weights in torch's
 CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4pack. On a GPU,
 tests/test_int4.py runs the same kernels compiled, against tinygemm."""
 
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     from int4pack_reference import cuda_int4pack_reference
     from orin import int4pack
     from orin.int4 import Int4Linear
-    from orin.kernels import int4_gemm, router
+    from orin.kernels import int4_gemm, moe_combine, router
     from orin.gptq_format import random_gptq_v1
 
     def rel(a, b):
@@ -74,6 +74,28 @@ SCRIPT = textwrap.dedent('''
     assert torch.equal(i[[0, 1, 3, 4]], ref_i[[0, 1, 3, 4]]) and i[2, :2].tolist() == [7, 9]
     w, i = router.softmax_topk(torch.randn(3, 60, generator=gen), 4)  # experts not a power of 2
     assert i.max() < 60 and bool((w.sum(-1) <= 1 + 1e-6).all())
+
+    # the long MoE's combine, block by block, against index_add_ of the weighted rows (float64): rows past the
+    # last expert (id E) sort last and belong to no block; out has padding columns past H
+    T, k, E, H = 37, 3, 6, 600
+    top = torch.stack([torch.randperm(E + 1, generator=gen)[:k] for _ in range(T)])
+    top[5] = E  # a padding row: no expert
+    flat = top.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = int((flat < E).sum())
+    token, wts = order // k, torch.rand(T * k, generator=gen)[order]
+    out = torch.randn(rows, H + 8, generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(T * k)
+    got, ref = x.clone(), x.double()
+    for lo, hi in [(0, 11), (11, 12), (12, rows)]:
+        moe_combine.combine_block(got, out[lo:hi], wts, inv, lo, k)
+        ref.index_add_(0, token[lo:hi], out[lo:hi, :H].double() * wts[lo:hi, None].double())
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[token[:rows]] = False
+    assert untouched.any() and torch.equal(got[untouched], x[untouched])
     print("ok")
 ''')
 
