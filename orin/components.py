@@ -94,7 +94,8 @@ def long_prefill_widen(thinker_hidden: int, hidden: int) -> int:
     """How many times the thinker's rows (LONG_PREFILL_TOKENS a chunk, LONG_MOE_BLOCK_ROWS a MoE block) a long
     prompt's chunks and blocks take in a decoder `hidden` wide: the talker, half the thinker's width in its
     hidden state, queries and experts, twice as many rows for the same bytes. At 25k video rows its prefill was
-    8,250 launches, a third of its time host-bound (BENCHMARKS.md, run 52v); twice the rows a launch halve its chunks' and blocks'."""
+    8,250 launches, a third of its time host-bound (BENCHMARKS.md, run 52v); twice the rows, half the chunks and
+    blocks and their launches."""
     return max(1, thinker_hidden // hidden)
 
 

@@ -813,9 +813,10 @@ class Decoders:
     @property
     def talker(self) -> StaticDecoder:
         t = self.model.talker
-        widen = C.long_prefill_widen(self.model.thinker.model.language_model.config.hidden_size,
-                                     t.model.config.hidden_size)
-        return self._get("talker", lambda: StaticDecoder(t.model, t.codec_head, self.device, self.compile, widen))
+        thinker_hidden = self.model.thinker.model.language_model.config.hidden_size
+        return self._get("talker", lambda: StaticDecoder(
+            t.model, t.codec_head, self.device, self.compile,
+            C.long_prefill_widen(thinker_hidden, t.model.config.hidden_size)))
 
     @property
     def code_predictor(self) -> CodePredictor:

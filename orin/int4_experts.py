@@ -413,7 +413,8 @@ class Int4Experts(nn.Module):
                 del gate_up
                 out = grouped_matmul(act, w_dn[lo:lo + len(block)], block, ends)
                 del act
-                combine_rows(into, out, weights, token[sl], inv, start, k)
+                if not combine_rows(into, out, weights, inv, start, k):
+                    self._combine(into, out, weights[sl], token[sl])
                 del out
                 start += rows
             del w_gu, w_dn
@@ -468,7 +469,8 @@ class Int4Experts(nn.Module):
         return F.pad(h, (0, K_dn - inter)) if K_dn > inter else h
 
     def _combine(self, final: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor):
-        out = out[:, : self.hidden_dim].to(final.dtype) * weights[:, None].to(final.dtype)
+        """final[token[i]] += weights[i] * out[i, :H]; `out` is the caller's to overwrite."""
+        out = out[:, : self.hidden_dim].to(final.dtype).mul_(weights[:, None].to(final.dtype))
         return final.index_add_(0, token, out)
 
     def _per_expert(self, x: torch.Tensor, which: int, kernel_group: int, counts: list[int]) -> torch.Tensor:

@@ -327,9 +327,8 @@ grouped_gemm = _GroupedGemm()
 
 
 class _RowCombiner:
-    """A long prompt's MoE combine (``orin.kernels.moe_combine.combine_block``: no atomics) where it can run
-    (CUDA, Triton); elsewhere, or after the kernel failed once in this process, ``index_add_`` of the weighted
-    rows."""
+    """A long prompt's MoE combine as ``orin.kernels.moe_combine.combine_block`` (no atomics) where it can run
+    (CUDA, Triton, not failed before in this process); the caller's ``index_add_`` otherwise."""
 
     def __init__(self) -> None:
         self.error: str | None = None
@@ -343,20 +342,21 @@ class _RowCombiner:
         inv[order] = torch.arange(order.numel(), device=order.device)
         return inv
 
-    def __call__(self, into: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor,
-                 inv: torch.Tensor | None, lo: int, k: int) -> torch.Tensor:
-        """``into[token[i - lo]] += weights[i] * out[i - lo, :H]`` for the sorted rows i in [lo, lo + len(out)):
-        weights [T * k] in sort order, `token` the block's own tokens, `inv` from ``inverse`` (or None)."""
-        if inv is not None and self.error is None:
-            from .kernels import moe_combine
+    def __call__(self, into: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, inv: torch.Tensor | None,
+                 lo: int, k: int) -> bool:
+        """``into[t] += weights[i] * out[i - lo, :H]`` for each token t's sorted rows i in [lo, lo + len(out))
+        (weights [T * k] in sort order, `inv` from ``inverse``); False where the kernel did not run."""
+        if inv is None or self.error is not None:
+            return False
+        from .kernels import moe_combine
 
-            try:
-                return moe_combine.combine_block(into, out, weights, inv, lo, k)
-            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-                self.error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("the Triton MoE combine failed (%s); using index_add_", exc)
-        rows = out[:, :into.shape[1]].to(into.dtype).mul_(weights[lo:lo + out.shape[0], None].to(into.dtype))
-        return into.index_add_(0, token, rows)
+        try:
+            moe_combine.combine_block(into, out, weights, inv, lo, k)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("the Triton MoE combine failed (%s); using index_add_", exc)
+            return False
+        return True
 
 
 combine_rows = _RowCombiner()

@@ -4,10 +4,10 @@ expert-sorted rows, weighted, summed and added to the token's hidden state.
 ``Int4Experts.add_long`` computes the experts' rows sorted by expert, a block of them at a time, and each token
 has up to k rows in a block (one per expert there). ``index_add_`` sums them with one bfloat16 atomic per
 element: at the thinker's widths 0.15 ms a block, seven times the block's memory traffic at the H200's
-bandwidth, and 166 ms of a 25k-token video prefill's 1.1 s of kernels (BENCHMARKS.md, run 57v). Here one program per token and
-column block finds the token's rows through the inverse of the sort (``inv[t * k + j]``: where the token's j-th
-choice landed), reads the ones inside the block, and adds their weighted sum once, in float32: no atomics, the
-same bits on every run, one rounding per element instead of one per row.
+bandwidth, and 166 ms of a 25k-token video prefill's 1.1 s of kernels (BENCHMARKS.md, run 57v). Here one
+program per token and column block finds the token's rows through the inverse of the sort (``inv[t * k + j]``:
+where the token's j-th choice landed), reads the ones inside the block, and adds their weighted sum once, in
+float32: no atomics, the same bits on every run, one rounding per element instead of one per row.
 
 Import only where ``orin.int4pack.triton_available()`` says so; the kernel also runs under ``TRITON_INTERPRET=1``
 (the tests).
