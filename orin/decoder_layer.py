@@ -114,6 +114,32 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+class _NormRope:
+    """``out[:] = _rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``: a long prompt's queries and keys normed
+    per head, rotated and written in place, as one Triton kernel on CUDA (orin.kernels.norm_rope), the torch ops
+    elsewhere or after the kernel failed once in this process (`error` says why)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def __call__(self, out, y, weight, eps: float, cos, sin) -> None:
+        from .int4pack import triton_available
+
+        if y.is_cuda and self.error is None and triton_available():
+            try:
+                from .kernels import norm_rope
+
+                norm_rope.norm_rope_into(out, y, weight, eps, cos, sin)
+                return
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
+                self.error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("the Triton query/key norm and rotary kernel failed (%s); using torch ops", exc)
+        out.copy_(_rope(_rms(y, weight, eps).transpose(0, 1), cos, sin))
+
+
+norm_rope_into = _NormRope()
+
+
 def _route(h, spec: LayerSpec, w: dict):
     """HF's top-k router: softmax in float32, top-k, renormalised, in h's dtype."""
     logits = F.linear(h, w["router"])
@@ -341,17 +367,17 @@ def attention_block_long(x, cos, sin, k_cache, v_cache, w: dict, spec: LayerSpec
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
         h = _rms(x[s:e], w["ln1"], spec.eps)
-        k, v = _keys_values(h, cos[s:e], sin[s:e], w, spec, dense)
-        # the prompt's positions are the cache's first T: a slice copy, where index_copy_'s kernel along the
-        # cache's third dimension took ~0.1 ms a chunk
-        k_cache[0, :, s:e] = k
-        v_cache[0, :, s:e] = v
+        # the prompt's positions are the cache's first T: slices, where index_copy_'s kernel along the cache's
+        # third dimension took ~0.1 ms a chunk; keys and queries normed and rotated straight into place
+        k = _linear(h, spec.k, w["k"], dense.get("k")).view(e - s, kv, hd)
+        norm_rope_into(k_cache[0, :, s:e], k, w["k_norm"], spec.qk_eps, cos[s:e], sin[s:e])
+        v_cache[0, :, s:e] = _linear(h, spec.v, w["v"], dense.get("v")).view(e - s, kv, hd).transpose(0, 1)
         h = h.to(wq.dtype)
         if spec.q.k_run > spec.q.k:
             h = F.pad(h, (0, spec.q.k_run - spec.q.k))
-        qs = _rms(F.linear(h, wq, bq).view(e - s, spec.heads, hd), w["q_norm"], spec.qk_eps).transpose(0, 1)
-        q[0, :, s:e] = _rope(qs, cos[s:e], sin[s:e])
-        del h, k, v, qs
+        norm_rope_into(q[0, :, s:e], F.linear(h, wq, bq).view(e - s, spec.heads, hd), w["q_norm"], spec.qk_eps,
+                       cos[s:e], sin[s:e])
+        del h, k
     k_cache[:, :, T:padded].zero_()
     v_cache[:, :, T:padded].zero_()
     out = x.new_empty((T, spec.heads * hd))
@@ -379,13 +405,11 @@ def decoder_layer(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: Layer
     return mlp_block(attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w, spec, prefix), w, spec)
 
 
-def _keys_values(h, cos, sin, w: dict, spec: LayerSpec, dense: dict | None = None):
-    """The keys (normed, rotated) and values [kv_heads, T, head_dim] of T normed rows h (`dense`: their INT4
-    weights dequantized, by name, as _linear takes them)."""
+def _keys_values(h, cos, sin, w: dict, spec: LayerSpec):
+    """The keys (normed, rotated) and values [kv_heads, T, head_dim] of T normed rows h."""
     T, hd, kv = h.shape[0], spec.head_dim, spec.kv_heads
-    dense = dense or {}
-    k = _rms(_linear(h, spec.k, w["k"], dense.get("k")).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
-    return _rope(k, cos, sin), _linear(h, spec.v, w["v"], dense.get("v")).view(T, kv, hd).transpose(0, 1)
+    k = _rms(_linear(h, spec.k, w["k"]).view(T, kv, hd), w["k_norm"], spec.qk_eps).transpose(0, 1)
+    return _rope(k, cos, sin), _linear(h, spec.v, w["v"]).view(T, kv, hd).transpose(0, 1)
 
 
 def attention_block(x, cos, sin, mask, pos, k_cache, v_cache, w: dict, spec: LayerSpec, prefix: int = 0):

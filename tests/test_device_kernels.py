@@ -630,3 +630,34 @@ def test_rms_norm_on_cuda_is_hfs_to_a_rounding():
         for got in (dl._rms(x, norm.weight, 1e-6), dl._rms_rows(x, norm.weight, 1e-6, 4096)):
             torch.testing.assert_close(got, want, rtol=2 ** -6, atol=1e-6)  # two roundings
             assert (got != want).float().mean() < 0.01
+
+
+def test_query_key_norm_and_rotary_kernel_is_the_torch_ops_to_a_rounding():
+    """The long attention's per-head norm and rotary embedding as one Triton kernel, written into the queries'
+    buffer and the KV cache slices, against the torch ops it replaces (_rms then _rope, bfloat16 at every step)
+    at the thinker's query and key widths and a video prefill's chunk: the norm's sum runs in another order, so
+    an element may round the other way (at most a step or two of the result, in few elements); nothing outside
+    the written slice changes; the kernel ran (no fallback)."""
+    import torch
+
+    import orin.decoder_layer as dl
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    T, hd = 4096, 128
+    ang = torch.rand((T, hd // 2), generator=gen, device="cuda") * 100
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    for heads in (32, 4):
+        y = (torch.randn((T, heads * hd), generator=gen, device="cuda") * 3).to(torch.bfloat16).view(T, heads, hd)
+        weight = torch.randn(hd, generator=gen, device="cuda").to(torch.bfloat16)
+        buf = torch.zeros((1, heads, T + 1024, hd), dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            dl.norm_rope_into(buf[0, :, 512:512 + T], y, weight, 1e-6, cos, sin)
+            want = dl._rope(dl._rms(y, weight, 1e-6).transpose(0, 1), cos, sin)
+        got = buf[0, :, 512:512 + T]
+        assert dl.norm_rope_into.error is None
+        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -6)  # a rounding, carried through the rope
+        assert (got != want).float().mean() < 0.01
+        assert not buf[0, :, :512].any() and not buf[0, :, 512 + T:].any()

@@ -1,4 +1,4 @@
-"""orin.kernels' int4_gemm, router and moe_combine kernels under Triton's CPU interpreter, on weights in torch's
+"""orin.kernels' int4_gemm, router, moe_combine and norm_rope kernels under Triton's CPU interpreter, on weights in torch's
 CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4pack. On a GPU,
 tests/test_int4.py runs the same kernels compiled, against tinygemm."""
 
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     from int4pack_reference import cuda_int4pack_reference
     from orin import int4pack
     from orin.int4 import Int4Linear
-    from orin.kernels import int4_gemm, moe_combine, router
+    from orin.kernels import int4_gemm, moe_combine, norm_rope, router
     from orin.gptq_format import random_gptq_v1
 
     def rel(a, b):
@@ -96,6 +96,22 @@ SCRIPT = textwrap.dedent('''
     untouched = torch.ones(T, dtype=torch.bool)
     untouched[token[:rows]] = False
     assert untouched.any() and torch.equal(got[untouched], x[untouched])
+
+    # the long attention's per-head norm and rotary embedding, written into a strided [heads, T, hd] view (a
+    # queries' buffer or KV cache slice), against decoder_layer's torch ops; heads not a power of two. float32
+    # only: the interpreter rounds to bfloat16 wrongly (tests/test_device_kernels.py checks bfloat16 on a GPU)
+    from orin.decoder_layer import _rms, _rope
+    for dtype, tol in [(torch.float32, 1e-5)]:
+        T, heads, hd = 7, 3, 16
+        y = torch.randn(T, heads * hd + 4, generator=gen).to(dtype)[:, :heads * hd].view(T, heads, hd)
+        weight = (1 + torch.randn(hd, generator=gen) / 4).to(dtype)
+        ang = torch.randn(T, hd // 2, generator=gen)
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+        cache = torch.zeros(1, heads, T + 5, hd, dtype=dtype)
+        norm_rope.norm_rope_into(cache[0, :, 2:2 + T], y, weight, 1e-6, cos, sin)
+        ref = _rope(_rms(y, weight, 1e-6).transpose(0, 1), cos, sin)
+        assert torch.allclose(cache[0, :, 2:2 + T].float(), ref.float(), rtol=tol, atol=tol), dtype
+        assert not cache[0, :, :2].any() and not cache[0, :, 2 + T:].any()
     print("ok")
 ''')
 
