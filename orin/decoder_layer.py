@@ -116,8 +116,8 @@ def _rope(x, cos, sin):
 
 class _NormRope:
     """``out[:] = _rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``: a long prompt's queries and keys normed
-    per head, rotated and written in place, as one Triton kernel on CUDA (orin.kernels.norm_rope), the torch ops
-    elsewhere or after the kernel failed once in this process (`error` says why)."""
+    per head, rotated and written in place, as one Triton kernel on CUDA (orin.kernels.norm_rope) for the shapes
+    it takes, the torch ops elsewhere or after the kernel failed once in this process (`error` says why)."""
 
     def __init__(self) -> None:
         self.error: str | None = None
@@ -129,8 +129,9 @@ class _NormRope:
             try:
                 from .kernels import norm_rope
 
-                norm_rope.norm_rope_into(out, y, weight, eps, cos, sin)
-                return
+                if norm_rope.supports(out, y, weight, cos, sin):
+                    norm_rope.norm_rope_into(out, y, weight, eps, cos, sin)
+                    return
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
                 self.error = f"{type(exc).__name__}: {exc}"[:500]
                 log.warning("the Triton query/key norm and rotary kernel failed (%s); using torch ops", exc)

@@ -49,18 +49,22 @@ def _norm_rope(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps, stride_yt, s
     tl.store(dst + HALF, o2.to(dt), mask=ok)
 
 
+def supports(out: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether norm_rope_into takes these tensors: a power-of-two head_dim, contiguous last dimensions."""
+    hd = y.shape[-1]
+    return hd >= 2 and not hd & (hd - 1) and all(t.stride(-1) == 1 for t in (out, y, cos, sin, weight))
+
+
 def norm_rope_into(out: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
     """``out[:] = _rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``: y [T, heads, head_dim] (a projection's
     rows), weight [head_dim], cos and sin [T, head_dim], out [heads, T, head_dim] (a view into the queries'
     buffer or the KV cache), all with contiguous last dimensions; head_dim a power of two."""
     T, heads, hd = y.shape
-    if hd & (hd - 1) or hd < 2:
-        raise ValueError(f"norm_rope_into needs a power-of-two head_dim, not {hd}")
+    if not supports(out, y, weight, cos, sin):
+        raise ValueError("norm_rope_into needs a power-of-two head_dim and contiguous last dimensions")
     if tuple(out.shape) != (heads, T, hd) or tuple(cos.shape) != (T, hd) or tuple(sin.shape) != (T, hd):
         raise ValueError("norm_rope_into: out must be [heads, T, head_dim] and cos, sin [T, head_dim]")
-    if any(t.stride(-1) != 1 for t in (out, y, cos, sin, weight)):
-        raise ValueError("norm_rope_into needs contiguous last dimensions")
     if T:
         # no fused multiply-adds: contracted across the roundings, a fifth of the elements came out a step away
         # from the torch ops' (run 63); without, only the norm's sum order separates them
