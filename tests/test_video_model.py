@@ -281,9 +281,20 @@ def test_long_prompt_path_gives_the_same_answer(engine, clip_video, monkeypatch)
             _, states, logits = engine.thinker.prefill(merged, prompt.length + 1, graph=False)
         return logits, states, bool(torch.equal(merged[0], given))
 
-    short = _collect(engine, req), prefill()
-    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)  # chunks end inside the video and its audio
-    long = _collect(engine, req), prefill()
+    import orin.talker as talker
+
+    seen: list[int] = []  # the rows of each block the talker's hidden projection sees
+    hook = engine.model.talker.hidden_projection.register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].shape[1]))
+    try:
+        short = _collect(engine, req), prefill()
+        short_blocks, seen[:] = list(seen), []
+        monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)  # chunks end inside the video and its audio
+        monkeypatch.setattr(talker, "LONG_PROJECTION_ROWS", 48)  # a long prompt's projection blocks
+        long = _collect(engine, req), prefill()
+    finally:
+        hook.remove()
+    assert set(short_blocks) == {talker.PROJECTION_ROWS} and set(seen) == {48} and len(seen) > 1
     # the long prefill's first layer overwrote the embeddings (nothing reads them after): no whole-prompt copy
     assert short[1][2] and not long[1][2]
     short, long = (short[0], short[1][:2]), (long[0], long[1][:2])
