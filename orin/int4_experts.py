@@ -29,7 +29,7 @@ from . import components as C
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
 from .int4pack import KernelWeight, check_device, combine_rows, dequantize_packed, grouped_gemm, int4_mm, to_kernel
-from .plan import LONG_DEQUANT_CHUNK, PREFILL_DEQUANT_CHUNK
+from .plan import LONG_DEQUANT_CHUNK, LONG_WHOLE_EXPERTS_BYTES, PREFILL_DEQUANT_CHUNK
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 PACKED_BUFFERS = ("gate_up_packed", "gate_up_scales_and_zeros", "down_packed", "down_scales_and_zeros")
@@ -371,14 +371,23 @@ class Int4Experts(nn.Module):
                  into: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
         """``into += forward(hidden_states, top_k_index, top_k_weights)`` for a long prompt's rows (thousands of
         tokens): experts dequantized whole, a piece of at most LONG_DEQUANT_CHUNK bytes at a time and each
-        once, their rows through BF16 grouped GEMMs in blocks of at most `max_rows` (the gathered rows' memory
-        stays a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest
-        route: per layer one dequantization of every expert (1.6 ms on an H200) and GEMMs at the BF16 rate,
-        against the fused INT4 kernel's 18 ms (BENCHMARKS.md); one host sync a layer for the row counts."""
+        once (all of them at once where they fit in LONG_WHOLE_EXPERTS_BYTES), their rows through BF16 grouped
+        GEMMs in blocks of at most `max_rows` (half that with all experts at once; the gathered rows' memory stays
+        a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest route: per layer one dequantization of
+        every expert (1.6 ms on an H200) and GEMMs at the BF16 rate, against the fused INT4 kernel's 18 ms
+        (BENCHMARKS.md). Pieces need the experts' row counts on the host, one sync a layer; experts taken whole
+        through torch._grouped_mm need none (`_add_long_on_device`)."""
         check_device(self.down_packed, self.layout, "Int4Experts")
-        T, k = top_k_index.shape
         E = self.num_experts
         max_rows = max_rows or C.LONG_MOE_BLOCK_ROWS
+        whole = self._dequantized_bytes(into.element_size()) <= LONG_WHOLE_EXPERTS_BYTES
+        if whole:
+            # the experts' extra bytes come out of the blocks' (orin.plan counts it so); without the host sync more
+            # blocks leave the GPU no idler
+            max_rows = max(1, max_rows // 2)
+        if whole and top_k_index.numel() and _grouped_mm_works(into.device, self.compute_dtype):
+            return self._add_long_on_device(hidden_states, top_k_index, top_k_weights, into, max_rows)
+        k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # indices >= num_experts sort last and are skipped
         counts = torch.bincount(flat.clamp(max=E), minlength=E + 1)[:E]
@@ -387,10 +396,7 @@ class Int4Experts(nn.Module):
         weights = top_k_weights.reshape(-1)[order]
         inv = combine_rows.inverse(order)
         counts = counts.tolist()  # the one host sync
-        gu_group, dn_group = self._geom["gate_up"][0], self._geom["down"][0]
-        per_expert = (self.gate_up_scales_and_zeros.shape[-2] * self._geom["gate_up"][1]
-                      + self.down_scales_and_zeros.shape[-2] * self._geom["down"][1]) * into.element_size()
-        per = max(1, LONG_DEQUANT_CHUNK // per_expert)
+        per = E if whole else max(1, LONG_DEQUANT_CHUNK // self._dequantized_bytes(into.element_size(), 1))
         pieces = [(e0, min(E, e0 + per), list(_row_blocks(counts[e0:e0 + per], max_rows)))
                   for e0 in range(0, E, per) if sum(counts[e0:e0 + per])]
         # every block's group ends in one copy: a tensor made from a host list per block is a pageable copy,
@@ -399,26 +405,74 @@ class Int4Experts(nn.Module):
                                for e in itertools.accumulate(block)], into.device)
         start = at = 0
         for e0, e1, blocks in pieces:
-            w_gu = dequantize_packed(self.gate_up_packed[e0:e1], self.gate_up_scales_and_zeros[e0:e1], gu_group)
-            w_dn = dequantize_packed(self.down_packed[e0:e1], self.down_scales_and_zeros[e0:e1], dn_group)
+            w_gu, w_dn = self._dequantized(e0, e1)
             for lo, block in blocks:
                 rows = sum(block)
-                sl = slice(start, start + rows)
                 ends = ends_all[at:at + len(block)]
                 at += len(block)
-                # each intermediate dropped as soon as the next exists: a block's peak is its rows times
-                # (K + 2I), not the sum of every intermediate
-                gate_up = grouped_matmul(self._rows(hidden_states, token[sl]), w_gu[lo:lo + len(block)], block, ends)
-                act = self._act(gate_up)
-                del gate_up
-                out = grouped_matmul(act, w_dn[lo:lo + len(block)], block, ends)
-                del act
-                if not combine_rows(into, out, weights, inv, start, k):
-                    self._combine(into, out, weights[sl], token[sl])
-                del out
+                self._add_block(hidden_states, token, weights, inv, into, k, start, rows,
+                                w_gu[lo:lo + len(block)], w_dn[lo:lo + len(block)], block, ends)
                 start += rows
             del w_gu, w_dn
         return into
+
+    def _add_long_on_device(self, hidden_states, top_k_index, top_k_weights, into, max_rows: int) -> torch.Tensor:
+        """add_long with every expert dequantized at once and no host sync: blocks of `max_rows` consecutive
+        sorted rows whatever experts they hold, each block's group ends computed on the GPU (an expert with no
+        row in a block is an empty group). The host queues a whole prefill ahead of the GPU; with a sync a layer
+        the GPU sat idle after each while the host launched the MoE and the next attention (BENCHMARKS.md, runs
+        66v-67). Rows routed to indices >= num_experts sort last: counted with the last expert, computed, and
+        weighted 0."""
+        T, k = top_k_index.shape
+        E = self.num_experts
+        n = T * k
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        # scatter_add, not bincount: bincount on CUDA syncs to size its output
+        counts = torch.zeros(E, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat.clamp(max=E - 1), torch.ones_like(flat, dtype=torch.int32))
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = order // k
+        weights = top_k_weights.reshape(-1)[order]
+        weights = torch.where(flat[order] < E, weights, torch.zeros_like(weights))
+        inv = combine_rows.inverse(order)
+        starts = range(0, n, max_rows)
+        # every block's group ends in one launch: [blocks, E]
+        first = torch.arange(0, n, max_rows, dtype=torch.int32, device=into.device)
+        offs = (ends.unsqueeze(0) - first.unsqueeze(1)).clamp_(min=0, max=max_rows)
+        w_gu, w_dn = self._dequantized(0, E)
+        for b, start in enumerate(starts):
+            rows = min(max_rows, n - start)
+            self._add_block(hidden_states, token, weights, inv, into, k, start, rows, w_gu, w_dn, None, offs[b])
+        return into
+
+    def _add_block(self, hidden_states, token, weights, inv, into, k: int, start: int, rows: int, w_gu, w_dn,
+                   block: list[int] | None, ends: torch.Tensor) -> None:
+        """into += the weighted expert outputs of sorted rows [start, start + rows): `block` the row counts of
+        the experts w_gu/w_dn hold (None where torch._grouped_mm runs from `ends` alone)."""
+        sl = slice(start, start + rows)
+        # each intermediate dropped as soon as the next exists: a block's peak is its rows times (K + 2I), not the
+        # sum of every intermediate
+        fused = True if block is None else None
+        gate_up = grouped_matmul(self._rows(hidden_states, token[sl]), w_gu, block, ends, fused)
+        act = self._act(gate_up)
+        del gate_up
+        out = grouped_matmul(act, w_dn, block, ends, fused)
+        del act
+        if not combine_rows(into, out, weights, inv, start, k):
+            self._combine(into, out, weights[sl], token[sl])
+
+    def _dequantized_bytes(self, element_size: int, experts: int | None = None) -> int:
+        """Bytes of `experts` (all by default) experts' weights dequantized, as the packed shapes pad them."""
+        one = (self.gate_up_scales_and_zeros.shape[-2] * self._geom["gate_up"][1]
+               + self.down_scales_and_zeros.shape[-2] * self._geom["down"][1]) * element_size
+        return one * (self.num_experts if experts is None else experts)
+
+    def _dequantized(self, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts [e0, e1)'s gate/up and down weights in the compute dtype."""
+        return (dequantize_packed(self.gate_up_packed[e0:e1], self.gate_up_scales_and_zeros[e0:e1],
+                                  self._geom["gate_up"][0]),
+                dequantize_packed(self.down_packed[e0:e1], self.down_scales_and_zeros[e0:e1], self._geom["down"][0]))
 
     def _forward_triton(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """One Triton launch per projection over all experts, group boundaries on the device (no host sync, so

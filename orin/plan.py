@@ -45,6 +45,11 @@ PREFILL_DEQUANT_CHUNK = 64 << 20
 # video's thinker prefill went from 1.33 to 1.25 s (BENCHMARKS.md, run 59). The extra bytes sit in the MLP's half
 # of a layer, under the attention's peak.
 LONG_DEQUANT_CHUNK = 128 << 20
+# A long prompt's MoE whose experts all dequantized fit in this many bytes takes them at once: its row blocks then
+# need no per-expert row counts on the host, so its layers have no host sync and the host queues the whole prefill
+# ahead of the GPU. The talker's 128 experts are 288 MiB at real dimensions, the thinker's 1,152 MiB (pieces, a
+# sync a layer). The talker's extra 160 MiB sit in its MoE half, under the thinker's attention peak.
+LONG_WHOLE_EXPERTS_BYTES = 320 << 20
 
 
 @dataclass(frozen=True)
@@ -298,9 +303,16 @@ def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     return {"thinker_text": thinker, "talker": talker, "code_predictor": predictor if talker_len else 0}
 
 
+def _whole_experts(d: dict, b: int) -> bool:
+    """Whether a long prompt's MoE dequantizes every expert at once (orin.int4_experts.Int4Experts.add_long)."""
+    return 3 * d["moe_intermediate"] * d["hidden"] * b * d["experts"] <= LONG_WHOLE_EXPERTS_BYTES
+
+
 def _dequant_bytes(d: dict, b: int, long: bool = False) -> int:
-    """The prefill's dequantized-experts chunk: whole experts, at most PREFILL_DEQUANT_CHUNK bytes
-    (LONG_DEQUANT_CHUNK for a `long` prompt's)."""
+    """The prefill's dequantized experts: whole experts, at most PREFILL_DEQUANT_CHUNK bytes (for a `long`
+    prompt LONG_DEQUANT_CHUNK, or all of them where they fit in LONG_WHOLE_EXPERTS_BYTES) at once."""
+    if long and _whole_experts(d, b):
+        return 3 * d["moe_intermediate"] * d["hidden"] * b * d["experts"]
     one = 2 * d["moe_intermediate"] * d["hidden"] * b  # the larger projection: fused gate/up
     return one * max(1, min(d["experts"], (LONG_DEQUANT_CHUNK if long else PREFILL_DEQUANT_CHUNK) // one))
 
@@ -311,7 +323,7 @@ def _prefill_bytes(T: int, d: dict, b: int, widen: int = 1) -> int:
     prompt one layer at a time, its attention in chunks over the cache (one KV group's keys expanded at a time
     where flash does not run) or, on Hopper, whole on cuDNN (every head's queries and output for every row,
     padded: orin.decoder_layer.attention_block_long; the larger of the two is counted), its MoE over every row
-    in blocks of C.LONG_MOE_BLOCK_ROWS (a block's gathered
+    in blocks of C.LONG_MOE_BLOCK_ROWS (half that where every expert is dequantized at once; a block's gathered
     rows beside gate/up, its largest pair of intermediates), the router's scores and two hidden states
     whole-prompt (the layer's input, overwritten by its output, and the MLP's normed input), and the attention's
     projections dequantized. A long prompt's chunks and blocks are `widen` times the thinker's rows
@@ -326,7 +338,8 @@ def _prefill_bytes(T: int, d: dict, b: int, widen: int = 1) -> int:
     if not long:
         moe = Tc * d["top_k"] * (3 * d["moe_intermediate"] + 2 * d["hidden"]) * b
     else:
-        moe = C.LONG_MOE_BLOCK_ROWS * widen * (d["hidden"] + 2 * d["moe_intermediate"]) * b
+        rows = C.LONG_MOE_BLOCK_ROWS * widen // (2 if _whole_experts(d, b) else 1)
+        moe = rows * (d["hidden"] + 2 * d["moe_intermediate"]) * b
         proj += T * d["experts"] * 4
         # the attention's projections dequantized once a layer (q, k, v, o)
         proj += 2 * (d["heads"] + d["kv_heads"]) * d["head_dim"] * d["hidden"] * b

@@ -170,13 +170,18 @@ def test_prefill_moe_routes_match_tinygemm_per_expert(cuda_engine, route):
     assert _rel(got, ref) < MOE_ROUTE_TOL
 
 
-def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine):
-    """A long prompt's MoE (add_long: experts dequantized once, BF16 grouped GEMMs in row blocks, the Triton
-    combine) against tinygemm expert by expert, with blocks small enough that experts' rows split across them."""
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
+def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine, whole, monkeypatch):
+    """A long prompt's MoE (add_long: experts dequantized once, a piece at a time or all at once, BF16 grouped GEMMs
+    in row blocks, the Triton combine) against tinygemm expert by expert, with blocks small enough that experts'
+    rows split across them. With all experts at once the host never waits for the GPU (torch's sync check
+    raises on any wait)."""
     import torch
 
+    import orin.int4_experts as int4_experts
     from orin.int4pack import kernel_errors
 
+    monkeypatch.setattr(int4_experts, "LONG_WHOLE_EXPERTS_BYTES", 1 << 40 if whole else 0)
     layer = _moe_layer(cuda_engine)
     experts = layer.mlp.experts
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -185,7 +190,13 @@ def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine):
         w, idx = layer.mlp.gate(h)
         ref = experts(h, idx, w, route="tinygemm")
         got = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
-        again = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
+        torch.cuda.synchronize()
+        if whole:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = experts.add_long(h, idx, w, torch.zeros_like(h), max_rows=333)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     assert _rel(got, ref) < MOE_ROUTE_TOL
     # the combine ran as the Triton kernel (no fallback), whose sums have no atomics: the same bits every time
     assert kernel_errors()["moe_combine"] is None and torch.equal(got, again)

@@ -505,9 +505,11 @@ def test_int4_experts_skip_sentinel_index_and_accept_per_expert_lists():
 
 
 @pytest.mark.parametrize("max_rows", [5, 16, 32768])
-def test_int4_experts_long_prompt_route_adds_the_same_output(max_rows, monkeypatch):
-    """add_long (a long prompt's MoE: experts dequantized a piece at a time, rows in bounded blocks, an expert's
-    rows split across blocks) adds what forward computes, skipped indices included."""
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
+def test_int4_experts_long_prompt_route_adds_the_same_output(max_rows, whole, monkeypatch):
+    """add_long (a long prompt's MoE: experts dequantized a piece at a time, or all at once where they fit, rows in
+    bounded blocks, an expert's rows split across blocks) adds what forward computes, skipped indices included.
+    All experts at once through torch._grouped_mm takes the route without host counts."""
     import orin.int4_experts as int4_experts
 
     gen = _gen(25)
@@ -517,12 +519,19 @@ def test_int4_experts_long_prompt_route_adds_the_same_output(max_rows, monkeypat
     one = 4 * (experts.gate_up_scales_and_zeros.shape[-2] * experts._geom["gate_up"][1]
                + experts.down_scales_and_zeros.shape[-2] * experts._geom["down"][1])
     monkeypatch.setattr(int4_experts, "LONG_DEQUANT_CHUNK", 3 * one)  # pieces of 3 experts
+    monkeypatch.setattr(int4_experts, "LONG_WHOLE_EXPERTS_BYTES", E * one if whole else E * one - 1)
+    on_device = []
+    real = Int4Experts._add_long_on_device
+    monkeypatch.setattr(Int4Experts, "_add_long_on_device",
+                        lambda self, *a: on_device.append(a[-1]) or real(self, *a))
     x = torch.randn(23, H, generator=gen)
     idx, w = _routing(23, gen)
     idx[::4, 0] = E
     base = torch.randn(23, H, generator=gen)
     got = experts.add_long(x, idx, w, base.clone(), max_rows=max_rows)
     assert _rel(got, base + experts(x, idx, w)) <= 1e-5
+    grouped = int4_experts._grouped_mm_works(x.device, torch.float32)
+    assert on_device == ([max(1, max_rows // 2)] if whole and grouped else [])
 
 
 def test_int4_modules_follow_a_model_dtype_change():
