@@ -388,11 +388,11 @@ class Engine:
             talker = self._start_talker(state, talker_ctx, plan)
             if vocode:
                 # One component at a time: collect every frame first, then vocode.
-                yield from self._advance_talker(state, talker, None, thinker_done=True, until_end=True)
+                yield from self._advance_talker(state, talker, None, thinker_done=True)
                 self._stage(vocode[0])
                 yield from vocoder.feed(state.frames, final=True)
                 return
-        yield from self._advance_talker(state, talker, vocoder, thinker_done=True, until_end=True)
+        yield from self._advance_talker(state, talker, vocoder, thinker_done=True)
         yield from vocoder.feed([], final=True)
         vocoder.make_resident()  # staged once per request even when no frame came (the schedule `plan` shows)
 
@@ -455,9 +455,15 @@ class Engine:
         state.mark(f"talker_prefill_{talker.decoder.last_prefill}")
         return talker
 
-    def _advance_talker(self, state: RequestState, talker, vocoder, thinker_done: bool, until_end: bool = False):
-        """Run talker steps whose text input is known: step s needs generated token s+1, or the end of text."""
+    def _advance_talker(self, state: RequestState, talker, vocoder, thinker_done: bool):
+        """Make each frame as soon as its first code is chosen, and run the talker steps whose text input is known:
+        step s needs generated token s+1, or the end of text."""
         while not talker.finished:
+            if talker.frame_due:
+                frame = self._talker_timed(state, talker.frame)
+                state.frames.append(frame)
+                if vocoder is not None:
+                    yield from vocoder.feed([frame], final=False)
             s = talker.step_index
             n = len(state.tokens)
             if s + 1 < n:
@@ -468,17 +474,15 @@ class Engine:
                 text = ("pad", None)
             else:
                 return
-            start = time.perf_counter()
-            with self.meter.stage("talker", edge_reads=False):  # per frame: no power read
-                frame = talker.step(text)
-            state.talker_seconds += time.perf_counter() - start
-            self._check(state)
-            if frame is not None:
-                state.frames.append(frame)
-                if vocoder is not None:
-                    yield from vocoder.feed([frame], final=False)
-            if not until_end and not thinker_done and talker.step_index + 1 >= len(state.tokens):
-                return
+            self._talker_timed(state, talker.advance, text)
+
+    def _talker_timed(self, state: RequestState, fn, *args):
+        start = time.perf_counter()
+        with self.meter.stage("talker", edge_reads=False):  # per frame: no power read
+            out = fn(*args)
+        state.talker_seconds += time.perf_counter() - start
+        self._check(state)
+        return out
 
     # ------------------------------------------------------------------ report
 

@@ -55,6 +55,7 @@ class Talker:
         self.finished = False
         self.generated: list[int] = []
         self.next_code = None
+        self._frame_embeds = None  # the code predictor's sum for the frame made and not yet read by the talker
         self.past_hidden = None
         self.gen = None
         self.decoder = decoders.talker
@@ -186,17 +187,29 @@ class Talker:
         pick = torch.multinomial((top_p / top_p.sum()).cpu(), 1, generator=self.gen)
         return top_i[pick.to(top_i.device)]
 
-    def step(self, text) -> object:
-        """One codec frame: the code predictor fills the residual groups of the frame whose first code the
-        talker chose, then the talker reads that frame plus the next text position (`text`: ("token", id),
-        ("eos", None) or ("pad", None))."""
+    @property
+    def frame_due(self) -> bool:
+        """Whether `frame` comes next: the talker chose a frame's first code and its frame is not made yet."""
+        return not self.finished and self._frame_embeds is None
+
+    def frame(self):
+        """The next codec frame (on the host): the code predictor fills the residual groups of the frame whose
+        first code the talker chose. It needs no text, so the frame goes to the vocoder before the thinker's
+        next token exists (the first audio waited for a thinker step, a talker step and a sync)."""
         import torch
 
         code = torch.tensor([[self.next_code]], device=self.device)
         last_id_hidden = self.model.talker.model.codec_embedding(code)
         choose = self._sample_code if self.state.req.talker_temperature > 0 else None
-        codes, embeds = self.decoders.code_predictor.run(self.past_hidden, last_id_hidden, choose)
-        frame = torch.cat((code[0], codes))
+        codes, self._frame_embeds = self.decoders.code_predictor.run(self.past_hidden, last_id_hidden, choose)
+        return torch.cat((code[0], codes)).cpu()
+
+    def advance(self, text) -> None:
+        """The talker reads the frame `frame` made plus the next text position (`text`: ("token", id),
+        ("eos", None) or ("pad", None)) and chooses the next frame's first code."""
+        if self._frame_embeds is None:
+            raise RuntimeError("Talker.advance before Talker.frame: the frame it reads is not made")
+        embeds, self._frame_embeds = self._frame_embeds, None
         kind, token = text
         if kind == "token":
             embeds = embeds + self._proj(self._thinker_embed_of(token))
@@ -207,4 +220,3 @@ class Talker:
         logits, hidden = self.decoder.step_embeds(embeds)
         self.step_index += 1
         self._after_forward(logits, hidden)
-        return frame.cpu()

@@ -77,6 +77,21 @@ def test_image_audio_text_with_speech(engine):
     assert timeline["first_audio"] == pytest.approx(report.first_audio_s, abs=1e-3)
 
 
+def test_first_audio_waits_for_no_second_thinker_token(engine, monkeypatch):
+    """Frame 0 is the prefill's first code and the code predictor's residuals, which read no text: its audio goes
+    out before the thinker decodes its second token (it waited for that token, a talker step and a sync)."""
+    from orin.decode import StaticDecoder
+
+    steps = []
+    real = StaticDecoder.step
+    monkeypatch.setattr(StaticDecoder, "step", lambda self, token: steps.append(token) or real(self, token))
+    req = GenerationRequest(messages=_mm_messages(), max_new_tokens=6, max_audio_frames=8, ignore_eos=True)
+    at_audio = [len(steps) for e in engine.stream(req) if isinstance(e, AudioChunk)]
+    assert at_audio and at_audio[0] == 0
+    # and the thinker's steps went on: the speech came with the text, not after it
+    assert len(steps) == 5 and at_audio[1] <= 2
+
+
 def test_streamed_equals_non_streamed(engine):
     base = dict(messages=_mm_messages(), max_new_tokens=12, max_audio_frames=24)
     _, text_s, chunks_s, rep_s = _collect(engine, GenerationRequest(stream_speech=True, **base))
