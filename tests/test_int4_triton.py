@@ -88,14 +88,18 @@ SCRIPT = textwrap.dedent('''
     x = torch.randn(T, H, generator=gen)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(T * k)
-    got, ref = x.clone(), x.double()
+    ref = x.double()
     for lo, hi in [(0, 11), (11, 12), (12, rows)]:
-        moe_combine.combine_block(got, out[lo:hi], wts, inv, lo, k)
         ref.index_add_(0, token[lo:hi], out[lo:hi, :H].double() * wts[lo:hi, None].double())
-    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
     untouched = torch.ones(T, dtype=torch.bool)
     untouched[token[:rows]] = False
-    assert untouched.any() and torch.equal(got[untouched], x[untouched])
+    # the launch shapes: the default, several tokens a program (the last program's past T), fewer columns than H
+    for shape in ({}, {"block_t": 4, "block_h": 512}, {"block_t": 8, "block_h": 128}):
+        got = x.clone()
+        for lo, hi in [(0, 11), (11, 12), (12, rows)]:
+            moe_combine.combine_block(got, out[lo:hi], wts, inv, lo, k, **shape)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert untouched.any() and torch.equal(got[untouched], x[untouched])
 
     # the long attention's per-head norm and rotary embedding, written into a strided [heads, T, hd] view (a
     # queries' buffer or KV cache slice), against decoder_layer's torch ops; heads not a power of two. float32
