@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.getcwd())
+ROOT = os.getcwd()
+sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from orin.devtools.bench_config import BenchConfig, bench_request, free, make_video_cases  # noqa: E402
@@ -99,10 +100,48 @@ for seg in snap["segments"]:
 result["held_after"] = [{"bytes": s, "where": n} for n, s in before.most_common(15)]
 say("held when the request was cut:", [(round(s / 2**20), n) for n, s in before.most_common(8)])
 
+# ---- the talker's start, step by step, unprofiled: the device synchronized at each step's edges (it is idle there
+# but for the prefill), so each step's time is its own; the decoder's prefill also timed to its return (the host's
+# launches) apart from its end on the device
+from orin import decode  # noqa: E402
+from orin import positions as positions_mod  # noqa: E402
+from orin import talker as talker_mod  # noqa: E402
+
+steps = collections.defaultdict(list)
+
+
+def timed(owner, name, label, returned=False):
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = fn(*a, **k)
+        if returned:
+            steps[label + " (host, to its return)"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        steps[label].append(time.perf_counter() - t0)
+        return y
+    setattr(owner, name, wrapper)
+    return owner, name, fn
+
+
+undo = [timed(talker_mod.Talker, "_user_part", "user part"),
+        timed(talker_mod.Talker, "_assistant_part", "assistant part"),
+        timed(positions_mod, "mrope_positions", "positions"),
+        timed(decode.StaticDecoder, "prefill", "decoder prefill", returned=True),
+        timed(talker_mod.Talker, "_after_forward", "first code"),
+        timed(talker_mod.Talker, "prefill", "talker prefill, all")]
+report = stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1).report
+for owner, name, fn in undo:
+    setattr(owner, name, fn)
+result["talker_steps_s"] = {k: v for k, v in steps.items()}
+say("talker start, unprofiled, synchronized at each step's edges (s; the thinker's calls first):",
+    {k: [round(x, 4) for x in v] for k, v in steps.items()})
+free("cuda")
+
 # ---- time: ranges around each prefill and encoder, kernels summed within each
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
-
-from orin import decode  # noqa: E402
 
 marked = []
 current = ["-"]
@@ -114,9 +153,12 @@ def mark(owner, name, label):
 
     def wrapper(self, *a, **k):
         which = label(self) if callable(label) else label
-        current[0] = which
-        with record_function(f"range:{which}"):
-            return fn(self, *a, **k)
+        was, current[0] = current[0], which
+        try:
+            with record_function(f"range:{which}"):
+                return fn(self, *a, **k)
+        finally:
+            current[0] = was
     setattr(owner, name, wrapper)
     marked.append((owner, name, fn))
 
@@ -135,10 +177,13 @@ def peaks(module, name):
 
 mark(decode.StaticDecoder, "prefill",
      lambda dec: "thinker_prefill" if dec is engine.decoders._made.get("thinker") else "talker_prefill")
-from orin import talker as talker_mod  # noqa: E402
-
 mark(talker_mod.Talker, "prefill", "talker_whole")
 mark(talker_mod.Talker, "_user_part", "talker_user_part")
+mark(talker_mod.Talker, "_assistant_part", "talker_assistant_part")
+mark(talker_mod.Talker, "_after_forward", "talker_after_forward")
+mark(decode.StaticDecoder, "_alloc",
+     lambda dec: "thinker_alloc" if dec is engine.decoders._made.get("thinker") else "talker_alloc")
+mark(positions_mod, "mrope_positions", "mrope_positions")
 for mod in ("vision_encoder", "audio_encoder"):
     m = __import__(f"orin.{mod}", fromlist=["x"])
     for cls in vars(m).values():
@@ -149,9 +194,27 @@ peaks(decode, "attention_block_long")
 peaks(decode, "mlp_block_long")
 free("cuda")
 torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1)
-    torch.cuda.synchronize()
+# every host wait for the GPU, by range and the line that made it (torch's sync check warns once per call)
+syncs = collections.Counter()
+
+
+def on_warning(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message):
+        syncs[(current[0], f"{os.path.relpath(filename, ROOT) if filename.startswith(ROOT) else filename}:{lineno}")] += 1
+
+
+import warnings  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    warnings.showwarning = on_warning
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=1)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 for owner, name, fn in marked:
     setattr(owner, name, fn)
 evs = prof.events()
@@ -164,6 +227,7 @@ def descendants(e):
 
 
 result["ranges"] = {}
+gpu_events = sorted((e for e in evs if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
 for label in sorted({e.name[6:] for e in evs if e.name.startswith("range:")}):
     tops = [e for e in evs if e.name == f"range:{label}" and e.device_type.name == "CPU"]
     launched = [(op.name, k) for r in tops for op in [r, *descendants(r)] for k in op.kernels]
@@ -177,13 +241,60 @@ for label in sorted({e.name[6:] for e in evs if e.name.startswith("range:")}):
         by_op[(op, k.name[:60])][0] += 1
         by_op[(op, k.name[:60])][1] += k.duration
     span_us = sum(r.time_range.elapsed_us() for r in tops)
+    # the GPU's idle time inside the range: its span on the device timeline (the range's GPU annotation) minus
+    # the union of the kernels and copies within it; None where the profiler made no annotation
+    idle = None
+    on_device = collections.defaultdict(lambda: [0, 0.0])  # every kernel in the window, Triton's too, by name
+    for a in (e for e in gpu_events if e.name == f"range:{label}"):
+        idle, end = idle or 0, a.time_range.start
+        for e in gpu_events:
+            if e.name.startswith("range:") or e.time_range.start < a.time_range.start \
+                    or e.time_range.start >= a.time_range.end:
+                continue
+            idle += max(0, e.time_range.start - end)
+            end = max(end, e.time_range.end)
+            on_device[e.name[:90]][0] += 1
+            on_device[e.name[:90]][1] += e.time_range.elapsed_us()
+        idle += max(0, a.time_range.end - end)
+    # where the host's range and the device's differ: host time before the range's first kernel ran, and after
+    # its last one
+    lead = tail = None
+    for r, a in zip(tops, (e for e in gpu_events if e.name == f"range:{label}"), strict=False):
+        lead = (lead or 0) + a.time_range.start - r.time_range.start
+        tail = (tail or 0) + r.time_range.end - a.time_range.end
     top = sorted(by.items(), key=lambda kv: -kv[1][1])[:25]
     result["ranges"][label] = {"calls": len(tops), "cpu_span_ms": span_us / 1e3, "kernel_ms": total / 1e3,
-                               "kernels": len(inside),
+                               "kernels": len(inside), "gpu_idle_ms": None if idle is None else idle / 1e3,
+                               "gpu_lead_ms": None if lead is None else lead / 1e3,
+                               "host_tail_ms": None if tail is None else tail / 1e3,
+                               "syncs": {w: c for (r, w), c in syncs.items() if r == label},
                                "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in top]}
     say(f"{label}: {len(tops)} call(s), host span {span_us / 1e3:.1f} ms, kernels {total / 1e3:.1f} ms in "
-        f"{len(inside)} launches")
+        f"{len(inside)} launches; GPU idle between them {'n/a' if idle is None else f'{idle / 1e3:.1f} ms'}; host syncs "
+        f"{sum(c for (r, _), c in syncs.items() if r == label)}; its first kernel "
+        f"{'n/a' if lead is None else f'{lead / 1e3:.1f} ms'} after the host's start, its last "
+        f"{'n/a' if tail is None else f'{tail / 1e3:.1f} ms'} before the host's end")
+    for (r, w), c in sorted(syncs.items(), key=lambda kv: -kv[1]):
+        if r == label:
+            say(f"   sync {c:5d}x  {w}")
+    if on_device:
+        say(f"  on the device in the range's window: {sum(us for _, us in on_device.values()) / 1e3:.1f} ms of kernels:")
+        result["ranges"][label]["on_device"] = {n: {"calls": c, "ms": us / 1e3} for n, (c, us) in on_device.items()}
+        for n, (c, us) in sorted(on_device.items(), key=lambda kv: -kv[1][1])[:15]:
+            say(f"   {us / 1e3:8.2f} ms {c:6d}x  {n}")
     for n, (c, us) in top:
+        say(f"   {us / 1e3:8.2f} ms {c:6d}x  {n}")
+    # the host's time: the ops Python called directly, by name, and what is left (Python itself, Triton launches)
+    host_ops = collections.defaultdict(lambda: [0, 0.0])
+    for r in tops:
+        for c in r.cpu_children:
+            host_ops[c.name][0] += 1
+            host_ops[c.name][1] += c.time_range.elapsed_us()
+    in_ops = sum(us for _, us in host_ops.values())
+    result["ranges"][label]["host_ops"] = {n: {"calls": c, "ms": us / 1e3} for n, (c, us) in host_ops.items()}
+    say(f"  host: {in_ops / 1e3:.1f} ms in ops Python called, {(span_us - in_ops) / 1e3:.1f} ms outside them "
+        "(Python, Triton launches); the ops by host time:")
+    for n, (c, us) in sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:25]:
         say(f"   {us / 1e3:8.2f} ms {c:6d}x  {n}")
     say("  by the op that launched them:")
     top_op = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:30]
