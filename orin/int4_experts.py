@@ -28,7 +28,16 @@ from torch import nn
 from . import components as C
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
-from .int4pack import KernelWeight, check_device, combine_rows, dequantize_packed, grouped_gemm, int4_mm, to_kernel
+from .int4pack import (
+    KernelWeight,
+    check_device,
+    combine_rows,
+    dequantize_packed,
+    grouped_gemm,
+    int4_mm,
+    silu_mul_rows,
+    to_kernel,
+)
 from .plan import LONG_DEQUANT_CHUNK, LONG_WHOLE_EXPERTS_BYTES, PREFILL_DEQUANT_CHUNK
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -455,7 +464,7 @@ class Int4Experts(nn.Module):
         # sum of every intermediate
         fused = True if block is None else None
         gate_up = grouped_matmul(self._rows(hidden_states, token[sl]), w_gu, block, ends, fused)
-        act = self._act(gate_up)
+        act = self._act(gate_up, fused=True)
         del gate_up
         out = grouped_matmul(act, w_dn, block, ends, fused)
         del act
@@ -516,8 +525,14 @@ class Int4Experts(nn.Module):
             x = x.index_select(1, columns)
         return x[token]
 
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act(self, gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """silu(gate) * up, padded to the down projection's K; `fused`: as one Triton pass where it runs (a long
+        prompt's blocks; elsewhere the torch ops keep the short prompts' bits)."""
         inter = self.intermediate_dim
+        if fused and isinstance(self.act_fn, nn.SiLU):
+            h = silu_mul_rows(gate_up, inter, max(inter, self._geom["down"][1]))
+            if h is not None:
+                return h
         h = self.act_fn(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
         K_dn = self._geom["down"][1]
         return F.pad(h, (0, K_dn - inter)) if K_dn > inter else h

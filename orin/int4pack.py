@@ -362,12 +362,35 @@ class _RowCombiner:
 combine_rows = _RowCombiner()
 
 
+class _Activation:
+    """A long prompt's MoE activation as ``orin.kernels.silu_mul.silu_mul`` (one pass over gate/up) where it can run
+    (CUDA, Triton, not failed before in this process); None tells the caller to run the torch ops."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def __call__(self, gate_up: torch.Tensor, inter: int, k_out: int) -> torch.Tensor | None:
+        if not (self.error is None and gate_up.is_cuda and triton_available() and gate_up.stride(1) == 1):
+            return None
+        from .kernels import silu_mul
+
+        try:
+            return silu_mul.silu_mul(gate_up, inter, k_out)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("the Triton MoE activation failed (%s); using the torch ops", exc)
+            return None
+
+
+silu_mul_rows = _Activation()
+
+
 def kernel_errors() -> dict[str, str | None]:
     """The Triton kernels switched off in this process, and why: {"grouped_gemm": error or None, "dequantize":
-    error or None, "moe_combine": error or None}. A switched-off kernel's torch fallback computes the same
-    result, slower (the combine's: rounded per row, not once)."""
+    error or None, "moe_combine": error or None, "silu_mul": error or None}. A switched-off kernel's torch fallback
+    computes the same result, slower (the combine's: rounded per row, not once)."""
     return {"grouped_gemm": grouped_gemm.error, "dequantize": dequantize_packed.error,
-            "moe_combine": combine_rows.error}
+            "moe_combine": combine_rows.error, "silu_mul": silu_mul_rows.error}
 
 
 __all__ = [
@@ -379,6 +402,7 @@ __all__ = [
     "grouped_gemm",
     "int4_mm",
     "kernel_errors",
+    "silu_mul_rows",
     "to_kernel",
     "triton_available",
     "unpack_codes",

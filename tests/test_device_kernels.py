@@ -199,7 +199,7 @@ def test_long_prompt_moe_matches_tinygemm_per_expert(cuda_engine, whole, monkeyp
             torch.cuda.set_sync_debug_mode("default")
     assert _rel(got, ref) < MOE_ROUTE_TOL
     # the combine ran as the Triton kernel (no fallback), whose sums have no atomics: the same bits every time
-    assert kernel_errors()["moe_combine"] is None and torch.equal(got, again)
+    assert kernel_errors()["moe_combine"] is None and kernel_errors()["silu_mul"] is None and torch.equal(got, again)
 
 
 def test_prefill_chunk_attention_on_flash_matches_the_lower_right_bias(monkeypatch):
@@ -641,6 +641,28 @@ def test_rms_norm_on_cuda_is_hfs_to_a_rounding():
         for got in (dl._rms(x, norm.weight, 1e-6), dl._rms_rows(x, norm.weight, 1e-6, 4096)):
             torch.testing.assert_close(got, want, rtol=2 ** -6, atol=1e-6)  # two roundings
             assert (got != want).float().mean() < 0.01
+
+
+def test_moe_activation_kernel_is_the_torch_ops_to_a_rounding():
+    """A long prompt's MoE activation as one Triton pass (silu of the gate half times the up half, padded to the
+    down projection's K) against Int4Experts' torch ops, bfloat16, at the thinker's and the talker's widths: an
+    element may round the other way (Triton's exp is not CUDA's expf), in few elements; the kernel ran."""
+    import torch
+    import torch.nn.functional as F
+
+    from orin.int4pack import kernel_errors, silu_mul_rows
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for inter, k_out in ((768, 768), (384, 384), (300, 384)):
+        gate_up = (torch.randn((5000, 2 * inter + 16), generator=gen, device="cuda") * 4).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = silu_mul_rows(gate_up, inter, k_out)
+            want = F.pad(F.silu(gate_up[:, :inter]) * gate_up[:, inter:2 * inter], (0, k_out - inter))
+        assert got is not None and kernel_errors()["silu_mul"] is None
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -12)  # one bfloat16 step
+        assert (got != want).float().mean() < 0.01
 
 
 def test_query_key_norm_and_rotary_kernel_is_the_torch_ops_to_a_rounding():

@@ -1,4 +1,4 @@
-"""orin.kernels' int4_gemm, router, moe_combine and norm_rope kernels under Triton's CPU interpreter, on weights in torch's
+"""orin.kernels' int4_gemm, router, moe_combine, silu_mul and norm_rope kernels under Triton's CPU interpreter, on weights in torch's
 CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4pack. On a GPU,
 tests/test_int4.py runs the same kernels compiled, against tinygemm."""
 
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     from int4pack_reference import cuda_int4pack_reference
     from orin import int4pack
     from orin.int4 import Int4Linear
-    from orin.kernels import int4_gemm, moe_combine, norm_rope, router
+    from orin.kernels import int4_gemm, moe_combine, norm_rope, router, silu_mul
     from orin.gptq_format import random_gptq_v1
 
     def rel(a, b):
@@ -100,6 +100,16 @@ SCRIPT = textwrap.dedent('''
             moe_combine.combine_block(got, out[lo:hi], wts, inv, lo, k, **shape)
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
         assert untouched.any() and torch.equal(got[untouched], x[untouched])
+
+    # the long MoE's activation: gate/up halves of strided rows (columns past 2 * inter ignored), padded to k_out
+    # and not; float32 (the interpreter's bfloat16 rounding is not the GPU's: tests/test_device_kernels.py)
+    import torch.nn.functional as F
+    for rows, inter, k_out in [(5, 12, 16), (300, 7, 7)]:
+        gate_up = torch.randn(rows, 2 * inter + 3, generator=gen)
+        want = F.pad(F.silu(gate_up[:, :inter]) * gate_up[:, inter:2 * inter], (0, k_out - inter))
+        got = silu_mul.silu_mul(gate_up, inter, k_out)
+        assert got.shape == (rows, k_out) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert not got[:, inter:].any()
 
     # the long attention's per-head norm and rotary embedding, written into a strided [heads, T, hd] view (a
     # queries' buffer or KV cache slice), against decoder_layer's torch ops; heads not a power of two. float32

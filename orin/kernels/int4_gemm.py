@@ -42,7 +42,11 @@ GEMM_BLOCK_M = 32
 GEMM_BLOCK_N = 128
 GEMM_WARPS = 4
 GEMM_STAGES = 3
-DEQUANT_BLOCK_N = 32
+# The dequantization's outputs per program and warps: every expert of a layer at once, 16 outputs a program ran at
+# 1.43-1.56 TB/s on the H200 against 0.91-0.98 at 32 and less at 64 or 128, with 4 or 8 warps (BENCHMARKS.md,
+# run 74: scripts/bench_long_moe_kernels.py at the talker's and the thinker's expert shapes; the same bits).
+DEQUANT_BLOCK_N = 16
+DEQUANT_WARPS = 4
 GEMV_BLOCK_N = 32
 GEMV_SUPER_TILES = 4  # super-tiles (of K) per GEMV program: the rest of K goes to other programs
 
@@ -231,16 +235,18 @@ def supports(packed: torch.Tensor) -> bool:
     return packed.shape[-1] == 4
 
 
-def dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
+               block_n: int = DEQUANT_BLOCK_N, num_warps: int = DEQUANT_WARPS) -> torch.Tensor:
     """The kernel's weight [..., N_pad, K_run] (scales' dtype) of CUDA int4pack weights [..., N/8, K/(16*tiles),
-    32, tiles/2] with scales_and_zeros [..., K/group, N_pad, 2]; one leading (expert) dimension at most."""
+    32, tiles/2] with scales_and_zeros [..., K/group, N_pad, 2]; one leading (expert) dimension at most.
+    `block_n`, `num_warps`: the launch's shape (scripts/bench_long_moe_kernels.py compares them)."""
     lead = packed.shape[:-4]
     p = packed.reshape(-1, *packed.shape[-4:])
     sz = scales_and_zeros.reshape(-1, *scales_and_zeros.shape[-3:])
     n_tiles, k_outer, J, groups, N_pad = _geometry(p, sz)
     out = torch.empty((p.shape[0], N_pad, k_outer * 32 * J), dtype=sz.dtype, device=p.device)
-    dequant[(p.shape[0], -(-N_pad // DEQUANT_BLOCK_N), k_outer)](
-        p, sz, out, N_pad, n_tiles, k_outer, groups, J=J, KG=kernel_group, BLOCK_N=DEQUANT_BLOCK_N, num_warps=4,
+    dequant[(p.shape[0], -(-N_pad // block_n), k_outer)](
+        p, sz, out, N_pad, n_tiles, k_outer, groups, J=J, KG=kernel_group, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out.view(*lead, N_pad, k_outer * 32 * J)
 

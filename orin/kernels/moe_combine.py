@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 # Tokens and columns per program (a program's tokens' k rows of BLOCK_H float32 values stay in registers) and warps.
-# scripts/bench_moe_combine.py on the H200, one layer of the 2 fps video case (BENCHMARKS.md, run 71): one token
+# scripts/bench_long_moe_kernels.py on the H200, one layer of the 2 fps video case (BENCHMARKS.md, run 71): one token
 # and 512 columns a program took 1.10 ms a talker layer and 2.80 ms a thinker layer (750-810 GB/s); 1,024 columns
 # 0.34 and 0.88 ms (2,400-2,600 GB/s), the best of the shapes tried (more tokens a program, fewer columns, 8 warps).
 BLOCK_T = 1
@@ -57,7 +57,7 @@ def combine_block(into: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, 
     """``into[t] += sum_j weights[p] * out[p - lo]`` over token t's sorted rows p = inv[t * k + j] that fall in
     [lo, lo + len(out)): into [T, H] (written in place), out [rows, >= H] (its first H columns), weights [T * k]
     and inv [T * k] (int64) in sort order and by token respectively. `block_t`, `block_h`, `num_warps`: the
-    launch's shape (scripts/bench_moe_combine.py compares them)."""
+    launch's shape (scripts/bench_long_moe_kernels.py compares them)."""
     T, H = into.shape
     if T == 0 or out.shape[0] == 0:
         return into
