@@ -477,6 +477,8 @@ class Engine:
             self._talker_timed(state, talker.advance, text)
 
     def _talker_timed(self, state: RequestState, fn, *args):
+        """fn(*args), a talker frame or step: its time counted as the talker's, under the meter's per-frame stage
+        (no power read: the report interpolates), and the request's cancellation checked after it."""
         start = time.perf_counter()
         with self.meter.stage("talker", edge_reads=False):  # per frame: no power read
             out = fn(*args)

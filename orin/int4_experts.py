@@ -382,10 +382,10 @@ class Int4Experts(nn.Module):
         tokens): experts dequantized whole, a piece of at most LONG_DEQUANT_CHUNK bytes at a time and each
         once (all of them at once where they fit in LONG_WHOLE_EXPERTS_BYTES), their rows through BF16 grouped
         GEMMs in blocks of at most `max_rows` (half that with all experts at once; the gathered rows' memory stays
-        a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest route: per layer one dequantization of
-        every expert (1.6 ms on an H200) and GEMMs at the BF16 rate, against the fused INT4 kernel's 18 ms
-        (BENCHMARKS.md). Pieces need the experts' row counts on the host, one sync a layer; experts taken whole
-        through torch._grouped_mm need none (`_add_long_on_device`)."""
+        a block's, whatever the prompt's length). Over a 25k-token prompt this is the prefill's fastest route:
+        per layer one dequantization of every expert (1.6 ms on an H200) and GEMMs at the BF16 rate, against the
+        fused INT4 kernel's 18 ms (BENCHMARKS.md). Pieces need the experts' row counts on the host, one sync a
+        layer; experts taken whole through torch._grouped_mm need none (`_add_long_on_device`)."""
         check_device(self.down_packed, self.layout, "Int4Experts")
         E = self.num_experts
         max_rows = max_rows or C.LONG_MOE_BLOCK_ROWS
