@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from . import components as C
 from .int4 import GRAPH_DEQUANT_MIN_ROWS, dequantize_packed
-from .int4pack import int4_mm
+from .int4pack import SwitchedKernel, int4_mm
 from .text_model import topk_routing
 
 log = logging.getLogger("orin.decoder_layer")
@@ -114,18 +114,13 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-class _NormRope:
+class _NormRope(SwitchedKernel):
     """``out[:] = _rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``: a long prompt's queries and keys normed
     per head, rotated and written in place, as one Triton kernel on CUDA (orin.kernels.norm_rope) for the shapes
     it takes, the torch ops elsewhere or after the kernel failed once in this process (`error` says why)."""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
-
     def __call__(self, out, y, weight, eps: float, cos, sin) -> None:
-        from .int4pack import triton_available
-
-        if y.is_cuda and self.error is None and triton_available():
+        if self.runs_on(y):
             try:
                 from .kernels import norm_rope
 
@@ -133,8 +128,7 @@ class _NormRope:
                     norm_rope.norm_rope_into(out, y, weight, eps, cos, sin)
                     return
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-                self.error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("the Triton query/key norm and rotary kernel failed (%s); using torch ops", exc)
+                self.switch_off(exc, "the Triton query/key norm and rotary kernel failed (%s); using torch ops")
         out.copy_(_rope(_rms(y, weight, eps).transpose(0, 1), cos, sin))
 
 

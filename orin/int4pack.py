@@ -55,6 +55,23 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
+class SwitchedKernel:
+    """A Triton kernel with a torch fallback, switched off for the rest of the process at its first failure: a
+    kernel that cannot build must not stop inference. `error` says why it is off (orin.int4pack.kernel_errors)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def runs_on(self, t: torch.Tensor) -> bool:
+        """Whether the kernel runs for tensors like `t`: on CUDA, with Triton, not switched off."""
+        return self.error is None and t.is_cuda and triton_available()
+
+    def switch_off(self, exc: Exception, message: str) -> None:
+        """Record `exc` and log `message` (its %s: the exception) under the subclass's module's logger."""
+        self.error = f"{type(exc).__name__}: {exc}"[:500]
+        logging.getLogger(type(self).__module__).warning(message, exc)
+
+
 def _layout_for(device: torch.device) -> str:
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"INT4 modules run on cpu or cuda, not {device}")
@@ -249,13 +266,13 @@ def int4_mm(x2: torch.Tensor, weight: torch.Tensor, kernel_group: int, sz: torch
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, kernel_group, sz)
 
 
-class _Dequantizer:
+class _Dequantizer(SwitchedKernel):
     """``_dequantize`` as one Triton kernel on CUDA (``orin.kernels.int4_gemm.dequantize``: bandwidth-speed, where
     the torch ops make ~8 passes over the weights), the torch ops elsewhere. A Triton failure falls back to the
     torch ops for the rest of the process."""
 
     def __init__(self) -> None:
-        self.error: str | None = None
+        super().__init__()
         self._checked: set[tuple] = set()
 
     def check_cuda_layout(self, packed: torch.Tensor) -> None:
@@ -280,29 +297,25 @@ class _Dequantizer:
     def __call__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
         if packed.is_cuda:
             self.check_cuda_layout(packed)
-            if self.error is None and triton_available():
+            if self.runs_on(packed):
                 from .kernels import int4_gemm
 
                 try:
                     return int4_gemm.dequantize(packed, scales_and_zeros, kernel_group)
                 except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-                    self.error = f"{type(exc).__name__}: {exc}"[:500]
-                    log.warning("the Triton INT4 dequantization failed (%s); using torch ops", exc)
+                    self.switch_off(exc, "the Triton INT4 dequantization failed (%s); using torch ops")
         return _dequantize(packed, scales_and_zeros, kernel_group)
 
 
 dequantize_packed = _Dequantizer()
 
 
-class _GroupedGemm:
+class _GroupedGemm(SwitchedKernel):
     """``orin.kernels.int4_gemm.grouped_int4_mm`` where it can run (CUDA, Triton, 4 inner k-tiles); a kernel
     failure disables it for the process and the callers fall back to dequantized chunks."""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
-
     def usable(self, x: torch.Tensor, packed: torch.Tensor) -> bool:
-        if not (self.error is None and x.is_cuda and triton_available()):
+        if not self.runs_on(x):
             return False
         from .kernels import int4_gemm
 
@@ -318,25 +331,21 @@ class _GroupedGemm:
             return int4_gemm.grouped_int4_mm(x, packed, scales_and_zeros, kernel_group, ends, max_rows,
                                              x_ordered=True)
         except Exception as exc:  # noqa: BLE001 - re-raised for the caller's fallback, after switching off
-            self.error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("the Triton INT4 GEMM failed (%s); it is off for this process", exc)
+            self.switch_off(exc, "the Triton INT4 GEMM failed (%s); it is off for this process")
             raise
 
 
 grouped_gemm = _GroupedGemm()
 
 
-class _RowCombiner:
+class _RowCombiner(SwitchedKernel):
     """A long prompt's MoE combine as ``orin.kernels.moe_combine.combine_block`` (no atomics) where it can run
     (CUDA, Triton, not failed before in this process); the caller's ``index_add_`` otherwise."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
 
     def inverse(self, order: torch.Tensor) -> torch.Tensor | None:
         """Where each (token, choice) landed in the expert sort `order` (what the kernel looks rows up by), or
         None where the kernel does not run."""
-        if not (self.error is None and order.is_cuda and triton_available()):
+        if not self.runs_on(order):
             return None
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
@@ -353,8 +362,7 @@ class _RowCombiner:
         try:
             moe_combine.combine_block(into, out, weights, inv, lo, k)
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-            self.error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("the Triton MoE combine failed (%s); using index_add_", exc)
+            self.switch_off(exc, "the Triton MoE combine failed (%s); using index_add_")
             return False
         return True
 
@@ -362,23 +370,19 @@ class _RowCombiner:
 combine_rows = _RowCombiner()
 
 
-class _Activation:
+class _Activation(SwitchedKernel):
     """A long prompt's MoE activation as ``orin.kernels.silu_mul.silu_mul`` (one pass over gate/up) where it can run
     (CUDA, Triton, not failed before in this process); None tells the caller to run the torch ops."""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
-
     def __call__(self, gate_up: torch.Tensor, inter: int, k_out: int) -> torch.Tensor | None:
-        if not (self.error is None and gate_up.is_cuda and triton_available() and gate_up.stride(1) == 1):
+        if not (self.runs_on(gate_up) and gate_up.stride(1) == 1):
             return None
         from .kernels import silu_mul
 
         try:
             return silu_mul.silu_mul(gate_up, inter, k_out)
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-            self.error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("the Triton MoE activation failed (%s); using the torch ops", exc)
+            self.switch_off(exc, "the Triton MoE activation failed (%s); using the torch ops")
             return None
 
 
@@ -396,6 +400,7 @@ def kernel_errors() -> dict[str, str | None]:
 __all__ = [
     "CPU_CONVERT_CHUNK_ROWS",
     "KernelWeight",
+    "SwitchedKernel",
     "check_device",
     "combine_rows",
     "dequantize_packed",

@@ -303,16 +303,21 @@ def kv_bytes(tokens: dict, dims: dict, dtype_bytes: int) -> dict:
     return {"thinker_text": thinker, "talker": talker, "code_predictor": predictor if talker_len else 0}
 
 
+def _every_expert_bytes(d: dict, b: int) -> int:
+    """A MoE's experts dequantized, every one of them (gate, up and down)."""
+    return 3 * d["moe_intermediate"] * d["hidden"] * b * d["experts"]
+
+
 def _whole_experts(d: dict, b: int) -> bool:
     """Whether a long prompt's MoE dequantizes every expert at once (orin.int4_experts.Int4Experts.add_long)."""
-    return 3 * d["moe_intermediate"] * d["hidden"] * b * d["experts"] <= LONG_WHOLE_EXPERTS_BYTES
+    return _every_expert_bytes(d, b) <= LONG_WHOLE_EXPERTS_BYTES
 
 
 def _dequant_bytes(d: dict, b: int, long: bool = False) -> int:
     """The prefill's dequantized experts: whole experts, at most PREFILL_DEQUANT_CHUNK bytes (for a `long`
     prompt LONG_DEQUANT_CHUNK, or all of them where they fit in LONG_WHOLE_EXPERTS_BYTES) at once."""
     if long and _whole_experts(d, b):
-        return 3 * d["moe_intermediate"] * d["hidden"] * b * d["experts"]
+        return _every_expert_bytes(d, b)
     one = 2 * d["moe_intermediate"] * d["hidden"] * b  # the larger projection: fused gate/up
     return one * max(1, min(d["experts"], (LONG_DEQUANT_CHUNK if long else PREFILL_DEQUANT_CHUNK) // one))
 
