@@ -32,7 +32,7 @@ COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py te
 	test_audio_api.py test_deferred_captures.py test_continued_turns.py test_quantize_batched_solve.py \
 	test_weight_arena.py)
 
-.PHONY: demo test test-compat venv venv-compat system-deps clean
+.PHONY: demo test test-compat venv venv-compat system-deps clean wheel
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -90,7 +90,12 @@ test-compat: venv venv-compat
 	$(CPY) -m pytest -q --fixtures-dir $(COMPAT_FIXTURES) $(COMPAT_TESTS)
 
 demo: venv
-	$(PY) -m orin.devtools.demo --dir $(DEMO_DIR) --port $(DEMO_PORT)
+	$(PY) -m devtools.demo --dir $(DEMO_DIR) --port $(DEMO_PORT)
+
+# The wheel for a machine without a checkout (the board): dist/orin_omni-VERSION-py3-none-any.whl, installed there
+# with its extras, e.g. pip install './orin_omni-0.1.0-py3-none-any.whl[serve,jetson]' (docs/jetson.md).
+wheel: venv
+	$(PY) -m pip wheel --no-deps -w dist .
 
 $(LINT_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LINT_VENV)

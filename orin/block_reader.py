@@ -8,9 +8,11 @@ the synthetic writer write them in order), so its span is read with one `read_sp
 and one host-to-device copy. The tensors returned are views of the device block: a consumer that keeps one past
 the load must copy it (the INT4 modules keep only what they convert).
 
-Each loading thread stages through two pinned buffers of STAGE bytes, allocated once and used in turn: while one
-buffer's copy runs (on a stream of its own, so a background load and the decode do not queue behind each other)
-the next span is read into the other. A span larger than a buffer goes through them piece by piece.
+Each loading thread stages through two pinned buffers of the profile's `memory.stage_bytes`, allocated once and
+used in turn: while one buffer's copy runs (on a stream of its own, so a background load and the decode do not
+queue behind each other) the next span is read into the other. A span larger than a buffer goes through them piece
+by piece. The staging size, the read pieces and threads and the largest gap read through are the device profile's
+(orin.device.profile.MemoryTuning), given to each reader when it is made.
 """
 
 from __future__ import annotations
@@ -26,20 +28,12 @@ from pathlib import Path
 
 import torch
 
+from .device.profile import MemoryTuning
 from .errors import ModelError
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
            "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "BOOL": torch.bool,
            "F64": torch.float64}
-# The pinned staging buffers' size: the most one read-ahead holds, and the piece a longer span is read in. Each
-# loading thread keeps two (one filled from the file while the other's copy to the device runs), allocated once:
-# pinning them anew for every unit cost more than reading a thinker layer.
-STAGE = 64 << 20
-# A span is read in pieces of this many bytes, this many at once (orin.block_reader.read_span).
-READ_PIECE = 8 << 20
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-# Tensors closer than this in the file are read in one span (the bytes between them read and dropped).
-MAX_GAP = 1 << 20
 
 
 def tensor_index(path: str) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]]:
@@ -54,7 +48,7 @@ def tensor_index(path: str) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int
 
 # One entry per file a load reads: a checkpoint segment and a packed copy per INT4 unit, ~120 at the real
 # dimensions. With 16, the talker's 21 files read in turn evicted each other, and every swap-in parsed the
-# segment's header again (0.18 s of a 0.44 s talker load, BENCHMARKS.md run 42).
+# segment's header again (two fifths of a talker load).
 @lru_cache(maxsize=1024)
 def _tensor_index(path: str, _size: int, _mtime_ns: int):
     try:
@@ -77,11 +71,12 @@ def _tensor_index(path: str, _size: int, _mtime_ns: int):
 class _Lane:
     """One loading thread's staging: two host buffers (pinned on CUDA) filled in turn, each with the event of the
     device copy that last read it, and the stream those copies run on. On its own stream a copy neither waits
-    for the kernels queued after it nor holds them up: a background load no longer stalls the decode."""
+    for the kernels queued after it nor holds them up: a background load no longer stalls the decode. The buffers
+    are allocated once per thread (pinning them anew for every unit cost more than reading a thinker layer)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stage: int):
         cuda = device.type == "cuda"
-        self.buffers = [torch.empty(STAGE, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self.buffers = [torch.empty(stage, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self.events: list = [None, None]
         self.stream = torch.cuda.Stream(device) if cuda else None
         self._turn = 0
@@ -124,13 +119,14 @@ class _Lane:
 _LANES = threading.local()
 
 
-def _lane(device: torch.device) -> _Lane:
+def _lane(device: torch.device, stage: int) -> _Lane:
+    """The calling thread's staging for `device` with buffers of `stage` bytes (one size a process, but in tests)."""
     lanes = getattr(_LANES, "by_device", None)
     if lanes is None:
         lanes = _LANES.by_device = {}
-    if device not in lanes:
-        lanes[device] = _Lane(device)
-    return lanes[device]
+    if (device, stage) not in lanes:
+        lanes[device, stage] = _Lane(device, stage)
+    return lanes[device, stage]
 
 
 class BlockReader:
@@ -138,15 +134,18 @@ class BlockReader:
     read in one go. `read_ahead(names)` starts the disk part of a later `read` of the same names on a background
     thread (file reads release the GIL), so reading the next batch overlaps converting this one; `read(names,
     then=next_names)` starts it before waiting for this read's copy to the device, so the disk and the copy
-    overlap too."""
+    overlap too. `memory`: the device profile's staging and read tuning (default: the profiles' common numbers)."""
 
-    def __init__(self, path: Path, device: torch.device):
+    def __init__(self, path: Path, device: torch.device, memory: MemoryTuning | None = None):
         self.path = str(path)
         self.device = device
+        self.memory = memory or MemoryTuning()
+        # the most one read-ahead holds, and the piece a longer span is streamed in
+        self.stage = self.memory.stage_bytes
         self.base, self.index = tensor_index(self.path)
         self._ahead: tuple | None = None
 
-    def _runs(self, names, max_gap: int = MAX_GAP) -> list[list]:
+    def _runs(self, names, max_gap: int) -> list[list]:
         try:
             entries = sorted(((n, self.index[n]) for n in set(names)), key=lambda item: item[1][2])
         except KeyError as exc:
@@ -171,18 +170,20 @@ class BlockReader:
             for run in runs:
                 lo, hi = self._span(run)
                 host = buffer[at:at + hi - lo]
-                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo, self.path)
+                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo, self.path, self.memory)
                 out.append((run, host))
                 at += hi - lo
         return out
 
-    def read_ahead(self, names, max_gap: int = MAX_GAP) -> None:
+    def read_ahead(self, names, max_gap: int | None = None) -> None:
         """Start reading `names` from disk in the background (at most one such read: a second is ignored; one
         larger than a staging buffer is read when asked for)."""
+        max_gap = self.memory.max_read_gap if max_gap is None else max_gap
         runs = self._runs(names, max_gap)
         size = sum(hi - lo for lo, hi in map(self._span, runs))
-        if self._ahead is None and size <= STAGE:
-            lane = _lane(self.device)  # made here, on the loading thread: the reading thread makes no CUDA call
+        if self._ahead is None and size <= self.stage:
+            # made here, on the loading thread: the reading thread makes no CUDA call
+            lane = _lane(self.device, self.stage)
             i = lane.take()
             self._ahead = (frozenset(names), max_gap, i, _reader_thread().submit(self._read_host, runs,
                                                                                   lane.buffers[i]))
@@ -194,14 +195,16 @@ class BlockReader:
             futures.wait([self._ahead[3]])
             self._ahead = None
 
-    def read(self, names, max_gap: int = MAX_GAP, then=None, alloc=None,
+    def read(self, names, max_gap: int | None = None, then=None, alloc=None,
              then_in: BlockReader | None = None) -> dict[str, torch.Tensor]:
         """The named tensors on the device (views of one block per run: see the module doc). `max_gap`: the
-        most bytes between two tensors read as one run (0 where views must not keep other bytes alive). `then`:
+        most bytes between two tensors read as one run (0 where views must not keep other bytes alive; by default
+        the profile's `max_read_gap`). `then`:
         names to read ahead (with the same `max_gap`) while this read's copy runs, from this file or from
         `then_in`'s (the next unit's first batch: without it each unit's first read waited on the disk alone).
         `alloc(nbytes)`: where the blocks' device memory comes from (by default torch's allocator)."""
-        lane = _lane(self.device)
+        max_gap = self.memory.max_read_gap if max_gap is None else max_gap
+        lane = _lane(self.device, self.stage)
         key = frozenset(names)
         staged = None
         if self._ahead is not None:
@@ -213,7 +216,7 @@ class BlockReader:
         landing: list[tuple[list, torch.Tensor]] = []  # (run, its device block), cut once the copies have landed
         if staged is None:
             runs = self._runs(names, max_gap)
-            if sum(hi - lo for lo, hi in map(self._span, runs)) <= STAGE:
+            if sum(hi - lo for lo, hi in map(self._span, runs)) <= self.stage:
                 i = lane.take()
                 staged = (i, self._read_host(runs, lane.buffers[i]))
             else:  # larger than a staging buffer: piece by piece, each piece's copy overlapping the next read
@@ -233,17 +236,17 @@ class BlockReader:
         return out
 
     def _read_streamed(self, run: list, lane: _Lane, alloc=None) -> torch.Tensor:
-        """A run larger than a staging buffer into its device block, STAGE bytes at a time (the copies may still
-        be running when this returns)."""
+        """A run larger than a staging buffer into its device block, a buffer's bytes at a time (the copies may
+        still be running when this returns)."""
         lo, hi = self._span(run)
         block = lane.new_block(hi - lo, self.device, alloc)
         with open(self.path, "rb", buffering=0) as f:
             done = 0
             while done < hi - lo:
-                n = min(STAGE, hi - lo - done)
+                n = min(self.stage, hi - lo - done)
                 i = lane.take()
                 host = lane.buffers[i][:n]
-                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo + done, self.path)
+                read_span(f.fileno(), memoryview(host.numpy()), self.base + lo + done, self.path, self.memory)
                 lane.copy(i, host, block[done:done + n])
                 done += n
         return block
@@ -262,11 +265,14 @@ def _cut(run: list, block: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_span(fd: int, view: memoryview, offset: int, path: str = "") -> None:
-    """Fill `view` with the file's bytes from `offset`, READ_PIECE bytes at a time on READ_THREADS threads at
-    once: one thread copying out of the page cache (or waiting on one NVMe request at a time) moved a thinker
-    layer at about the speed of its copy to the device; several reads in flight are what the storage delivers."""
-    pieces = [(at, min(READ_PIECE, len(view) - at)) for at in range(0, len(view), READ_PIECE)]
+def read_span(fd: int, view: memoryview, offset: int, path: str = "", memory: MemoryTuning | None = None) -> None:
+    """Fill `view` with the file's bytes from `offset`, `memory.read_piece` bytes at a time on `read_threads`
+    threads at once (at most one a core): one thread copying out of the page cache (or waiting on one NVMe request
+    at a time) moved a thinker layer at about the speed of its copy to the device; several reads in flight are what
+    the storage delivers."""
+    memory = memory or MemoryTuning()
+    size = memory.read_piece
+    pieces = [(at, min(size, len(view) - at)) for at in range(0, len(view), size)]
 
     def piece(at: int, n: int) -> None:
         while n:
@@ -280,13 +286,14 @@ def read_span(fd: int, view: memoryview, offset: int, path: str = "") -> None:
         for at, n in pieces:
             piece(at, n)
         return
-    for future in [_piece_pool().submit(piece, at, n) for at, n in pieces]:
+    pool = _piece_pool(max(1, min(memory.read_threads, os.cpu_count() or 1)))
+    for future in [pool.submit(piece, at, n) for at, n in pieces]:
         future.result()
 
 
-@lru_cache(maxsize=1)
-def _piece_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="orin-pread")
+@lru_cache(maxsize=4)
+def _piece_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="orin-pread")
 
 
 _THREAD: list[ThreadPoolExecutor] = []
@@ -299,4 +306,4 @@ def _reader_thread() -> ThreadPoolExecutor:
     return _THREAD[0]
 
 
-__all__ = ["STAGE", "BlockReader", "read_span", "tensor_index"]
+__all__ = ["BlockReader", "read_span", "tensor_index"]

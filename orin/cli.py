@@ -5,11 +5,15 @@ so `orin-omni --help` and `install-service` stay instant. OrinError becomes a Cl
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
 from . import __version__
+from .cli_dev import bench_cmd, synthetic_bf16_cmd, tiny_model_cmd
+from .cli_options import POWER_BACKENDS, SIZE, packed_cache_option
+from .device.profile import PROFILES
 from .errors import OrinError, UsageError
 
 
@@ -27,33 +31,6 @@ class _OrinGroup(click.Group):
             raise err from exc
 
 
-class _Size(click.ParamType):
-    """A byte size such as 24GiB; bad input is a usage error (exit 2) naming the value."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        from .units import parse_bytes
-
-        try:
-            return parse_bytes(value)
-        except UsageError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-SIZE = _Size()
-
-
-def _packed_cache_option(fn):
-    return click.option(
-        "--packed-cache", default="auto", show_default=True, envvar="ORIN_OMNI_PACKED_CACHE",
-        help="Directory where INT4 layers are kept in the GPU's layout after their first load, so later loads "
-             "(every swap under a budget) read instead of converting; 'auto': packed-cache/ in the model "
-             "directory; 'off': convert on every load (env ORIN_OMNI_PACKED_CACHE).")(fn)
-
-
 def _csv(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -64,18 +41,6 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.version_option(__version__, prog_name="orin-omni")
 def cli():
     """Qwen3-Omni-30B-A3B on a Jetson AGX Orin: quantize, plan, serve, install, smoke-test."""
-
-
-@cli.command("tiny-model")
-@click.argument("out", type=click.Path(file_okay=False))
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed; same seed, same bytes.")
-@click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in OUT.")
-def tiny_model_cmd(out, seed, force):
-    """Write a tiny random Qwen3-Omni checkpoint (config, weights, tokenizer, processor) to OUT, offline."""
-    from .devtools.tiny import TinyModelConfig, write_tiny_model
-
-    path = write_tiny_model(TinyModelConfig(out=out, seed=seed, force=force))
-    click.echo(f"tiny Qwen3-Omni written to {path}")
 
 
 @cli.command("plan")
@@ -96,9 +61,11 @@ def tiny_model_cmd(out, seed, force):
 @click.option("--group-size", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--segments", "segments", default=None,
               help="Segment split, e.g. 'thinker=audio_encoder+thinker_text;talker_vision=vision_encoder+talker+code_predictor+code2wav'.")
+@click.option("--device-profile", type=click.Choice(list(PROFILES)), default="orin", show_default=True,
+              help="The device the plan is for: its tuning numbers size the working memory and the margin.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, video_fps, video_frame_pixels,
-             video_audio, text_tokens, speech, group_size, segments, as_json):
+             video_audio, text_tokens, speech, group_size, segments, device_profile, as_json):
     """Size MODEL (checkpoint dir or config.json) per component and segment, and say whether a request fits."""
     from .plan import PlanConfig, make_plan, render_plan
 
@@ -106,6 +73,7 @@ def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, vi
         model=model, budget=budget, audio_seconds=audio_seconds, images=images, image_size=image_size,
         video_seconds=video_seconds, video_fps=video_fps, video_frame_pixels=video_frame_pixels,
         video_audio=video_audio, text_tokens=text_tokens, speech=speech, group_size=group_size, segments=segments,
+        device_profile=device_profile,
     )
     result = make_plan(cfg)
     if as_json:
@@ -221,26 +189,24 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--power-backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
-@_packed_cache_option
+@packed_cache_option
 def generate_cmd(model_dir, text, images, audios, videos, video_fps, video_audio, max_video_seconds, out_wav, speech,
                  budget, max_new_tokens, max_audio_frames, voice, temperature, device, power_backend, as_json,
                  packed_cache):
     """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
     energy, where the speech went) on stderr."""
+    from .engine import EngineConfig
     from .generate import GenerateConfig, run_generate
     from .packed_cache import resolve_dir
 
+    engine = EngineConfig(model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
+                          packed_cache=resolve_dir(packed_cache, model_dir))
     run_generate(GenerateConfig(
-        model_dir=model_dir, text=text, images=tuple(images), audios=tuple(audios), videos=tuple(videos),
+        engine=engine, text=text, images=tuple(images), audios=tuple(audios), videos=tuple(videos),
         video_fps=video_fps, video_audio=video_audio, max_video_seconds=max_video_seconds, out_wav=out_wav,
-        speech=speech,
-        budget=budget, max_new_tokens=max_new_tokens, voice=voice, device=device, as_json=as_json,
-        power_backend=power_backend, temperature=temperature, max_audio_frames=max_audio_frames,
-        packed_cache=resolve_dir(packed_cache, model_dir),
+        speech=speech, max_new_tokens=max_new_tokens, voice=voice, as_json=as_json, temperature=temperature,
+        max_audio_frames=max_audio_frames,
     ))
-
-
-_POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 
 
 @cli.command("serve")
@@ -256,7 +222,7 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 @click.option("--allow-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Allow file:// image and video URLs under this directory (default: refused).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
+@click.option("--power-backend", type=click.Choice(POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--power-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=10.0, show_default=True)
 @click.option("--sysfs-root", type=click.Path(file_okay=False), default="/sys", show_default=True)
 @click.option("--verify-checksums/--no-verify-checksums", default=True, show_default=True,
@@ -286,7 +252,7 @@ _POWER_BACKENDS = ["auto", "jtop", "ina3221", "nvml", "none"]
 @click.option("--realtime-context-tokens", type=click.IntRange(min=256), default=None,
               help="Context a Realtime conversation may fill (prompt and answer; older items are dropped to fit; "
                    "default: the model's).")
-@_packed_cache_option
+@packed_cache_option
 def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir, device, power_backend, power_hz,
               sysfs_root, verify_checksums, warmup, max_body, max_audio_seconds, max_image_pixels, max_video_seconds,
               max_speech_seconds, drain_seconds, served_model_name, realtime_max_sessions, realtime_busy,
@@ -294,20 +260,22 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
               realtime_context_tokens, packed_cache):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio/video in, speech
     out)."""
+    from .engine import EngineConfig
     from .packed_cache import resolve_dir
     from .serve.app import ServeConfig, serve
 
+    engine = EngineConfig(model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
+                          power_hz=power_hz, sysfs_root=sysfs_root, verify_checksums=verify_checksums,
+                          packed_cache=resolve_dir(packed_cache, model_dir))
     serve(ServeConfig(
-        model_dir=model_dir, host=host, port=port, budget=budget, api_key_file=api_key_file, max_queue=max_queue,
-        allow_dir=allow_dir, device=device, power_backend=power_backend, power_hz=power_hz, sysfs_root=sysfs_root,
-        verify_checksums=verify_checksums, warmup=warmup, max_body_bytes=max_body,
-        max_audio_seconds=max_audio_seconds, max_image_pixels=max_image_pixels, max_video_seconds=max_video_seconds,
+        engine=engine, host=host, port=port, api_key_file=api_key_file, max_queue=max_queue, allow_dir=allow_dir,
+        warmup=warmup, max_body_bytes=max_body, max_audio_seconds=max_audio_seconds,
+        max_image_pixels=max_image_pixels, max_video_seconds=max_video_seconds,
         max_speech_seconds=max_speech_seconds, drain_s=drain_seconds, served_model_name=served_model_name,
         realtime_max_sessions=realtime_max_sessions, realtime_busy=realtime_busy,
         realtime_max_session_s=realtime_max_session_seconds, realtime_max_buffer_s=realtime_max_buffer_seconds,
         realtime_max_message_bytes=realtime_max_message, realtime_context_tokens=realtime_context_tokens,
-        packed_cache=resolve_dir(packed_cache, model_dir),
-    ))
+    ), env=os.environ)  # systemd's notify socket and journal: the environment is read here, at the edge
 
 
 @cli.command("smoke")
@@ -322,7 +290,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None, help="Key for --url.")
 @click.option("--voice", default=None, help="Voice for the speech request (default: the model's).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
+@click.option("--power-backend", type=click.Choice(POWER_BACKENDS), default="auto", show_default=True)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds to wait for each HTTP request.")
 @click.option("--video/--no-video", default=True, show_default=True,
@@ -330,7 +298,7 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
 @click.option("--voice-endpoints/--no-voice-endpoints", default=True, show_default=True,
               help="With --url: also check /v1/audio/speech, /v1/audio/transcriptions and a /v1/realtime session.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
-@_packed_cache_option
+@packed_cache_option
 @click.pass_context
 def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voice, device, power_backend, timeout_s,
               video, voice_endpoints, as_json, packed_cache):
@@ -338,12 +306,16 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
     requests, TTFT, peak memory, WAV output, video prompt tokens, power; with --url also the speech,
     transcription and Realtime endpoints. Exits 1 if any check fails."""
     from .checks.smoke import SmokeConfig, render_table, run_smoke
+    from .engine import EngineConfig
     from .packed_cache import resolve_dir
 
+    engine = None if model_dir is None else EngineConfig(
+        model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
+        packed_cache=resolve_dir(packed_cache, model_dir))
     result = run_smoke(SmokeConfig(
-        url=url, model_dir=model_dir, budget=budget, max_ttft=max_ttft, max_peak=max_peak, api_key_file=api_key_file,
-        voice=voice, device=device, power_backend=power_backend, timeout_s=timeout_s, video=video,
-        voice_endpoints=voice_endpoints, packed_cache=resolve_dir(packed_cache, model_dir),
+        url=url, engine=engine, max_ttft=max_ttft, api_key_file=api_key_file, voice=voice, timeout_s=timeout_s,
+        max_peak=max_peak if max_peak is not None else budget,  # --budget is the limit where --max-peak is not
+        video=video, voice_endpoints=voice_endpoints,
     ))
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
     if not result.ok:
@@ -380,93 +352,6 @@ def doctor_cmd(ctx, model_dir, user, name, budget, device, root, sysfs_root, pro
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render_table(result))
     if not result.ok:
         ctx.exit(1)
-
-
-@cli.command("bench")
-@click.option("--config", "config", default=None,
-              help="With --synthetic: a Qwen3-Omni config.json (or checkpoint dir), or 'tiny'.")
-@click.option("--model-dir", type=click.Path(file_okay=False), default=None,
-              help="Benchmark an existing quantized checkpoint instead of a synthetic one.")
-@click.option("--synthetic", is_flag=True, help="Write a random-weight INT4 checkpoint at the config's dimensions.")
-@click.option("--workdir", type=click.Path(file_okay=False), default="build/bench", show_default=True,
-              help="Where the synthetic checkpoint is written.")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--audio-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True)
-@click.option("--images", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--image-size", type=click.IntRange(min=32), default=224, show_default=True)
-@click.option("--text-tokens", type=click.IntRange(min=2), default=256, show_default=True,
-              help="Text tokens generated (EOS ignored).")
-@click.option("--audio-frames", type=click.IntRange(min=0), default=100, show_default=True,
-              help="Codec frames generated (0: no speech).")
-@click.option("--budget-sliced", type=SIZE, multiple=True, default=["18GiB"], show_default=True,
-              help="Memory budget of a time-sliced run (repeatable: one run per budget).")
-@click.option("--skip-hf", is_flag=True, help="Do not run the HF transformers BF16 reference.")
-@click.option("--skip-sliced", is_flag=True, help="Do not run the time-sliced engine.")
-@click.option("--compile", "compile_settings", default="off,on", show_default=True,
-              help="torch.compile of the decoder layers, one all-resident engine per setting, comma-separated "
-                   "(off: run orin_graph, on: run orin_compiled); the last one also runs time-sliced.")
-@click.option("--profile/--no-profile", default=True, show_default=True, help="torch.profiler pass (CUDA only).")
-@click.option("--power-backend", type=click.Choice(_POWER_BACKENDS), default="auto", show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
-              help="Write the full results here (rewritten after each part).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--hf-repeats", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Measured HF generate() runs; the fastest is reported.")
-@_packed_cache_option
-@click.option("--sliced-unpacked", type=SIZE, multiple=True, default=[],
-              help="Run this budget time-sliced again with --packed-cache off (repeatable): the copies' worth.")
-@click.option("--video-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Also run the video cases: one image + a clip this long with its soundtrack (0: none).")
-@click.option("--video-fps", type=click.FloatRange(min=0, min_open=True), multiple=True, default=[2.0],
-              show_default=True, help="Sampling rate of a video case (repeatable: one case per rate).")
-@click.option("--video-size", type=click.IntRange(min=32), default=448, show_default=True,
-              help="Side of the video cases' square frames (a multiple of 32).")
-@click.option("--realtime-question", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Also run the Realtime API case: this spoken question (an audio file) streamed to the server's "
-                   "WebSocket in real time; voice-to-voice latency and barge-in.")
-@click.option("--video-only", "--cases-only", "video_only", is_flag=True,
-              help="Only the video and realtime cases: no standard request, time-sliced runs, kernel timings or "
-                   "profile.")
-def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
-              audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
-              seed, hf_repeats, packed_cache, sliced_unpacked, video_seconds, video_fps, video_size, realtime_question,
-              video_only):
-    """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
-    and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps. With
-    --video-seconds, the video cases too (image + video with its soundtrack -> text + speech)."""
-    from .devtools.bench import BenchConfig, parse_compile, render_table, run_bench
-
-    result = run_bench(BenchConfig(
-        config=config, model_dir=model_dir, synthetic=synthetic, workdir=workdir, device=device,
-        audio_seconds=audio_seconds, images=images, image_size=image_size, text_tokens=text_tokens,
-        audio_frames=audio_frames, budget_sliced=tuple(budget_sliced), skip_hf=skip_hf, skip_sliced=skip_sliced,
-        compile=parse_compile(compile_settings), profile=profile, power_backend=power_backend,
-        json_out=json_out, seed=seed, hf_repeats=hf_repeats, packed_cache=packed_cache,
-        sliced_unpacked=tuple(sliced_unpacked), video_seconds=video_seconds, video_fps=tuple(video_fps),
-        video_size=video_size, video_only=video_only, realtime_question=realtime_question,
-    ), log_fn=lambda m: click.echo(m, err=True))
-    click.echo(render_table(result))
-
-
-@cli.command("synthetic-bf16")
-@click.argument("out", type=click.Path(file_okay=False))
-@click.option("--config", "config", required=True, help="A Qwen3-Omni config.json (or checkpoint dir), or 'tiny'.")
-@click.option("--thinker-layers", type=click.IntRange(min=1), default=None,
-              help="Thinker text layers to write (default: the config's; each is 1.2 GiB at the real widths).")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-              help="Where the random values are drawn (cuda is ~100x faster at real widths).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--shard-size", type=SIZE, default="4GiB", show_default=True, help="Largest safetensors shard.")
-@click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in OUT.")
-def synthetic_bf16_cmd(out, config, thinker_layers, device, seed, shard_size, force):
-    """Write a random-weight BF16 Qwen3-Omni in the published checkpoint's layout to OUT: the input to benchmark
-    `orin-omni quantize` at real widths with fewer thinker layers than the real 48."""
-    from .devtools.synthetic_bf16 import SyntheticBF16Config, write_synthetic_bf16
-
-    path = write_synthetic_bf16(SyntheticBF16Config(config=config, out=out, thinker_layers=thinker_layers,
-                                                    device=device, seed=seed, shard_bytes=shard_size, force=force),
-                                log=lambda m: click.echo(m, err=True))
-    click.echo(f"synthetic BF16 Qwen3-Omni written to {path}")
 
 
 @cli.command("quantize")
@@ -550,6 +435,10 @@ def convert_cmd(model_dir, out, force, as_json):
     path = convert_checkpoint(ConvertConfig(model_dir=model_dir, out=out, force=force),
                               log=lambda m: click.echo(m, err=as_json))
     click.echo(json.dumps(convert_summary(path), indent=2) if as_json else f"standard GPTQ checkpoint written to {path}")
+
+
+for _command in (tiny_model_cmd, bench_cmd, synthetic_bf16_cmd):
+    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:

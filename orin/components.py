@@ -47,55 +47,12 @@ DEFAULT_SEGMENTS_SPEC = ";".join(f"{k}={'+'.join(v)}" for k, v in DEFAULT_SEGMEN
 PIPELINE = ("audio_encoder", "vision_encoder", "thinker_text", "talker", "code_predictor", "code2wav")
 SPEECH_COMPONENTS = ("talker", "code_predictor", "code2wav")
 
-# Streaming code2wav: the first chunk is one frame, so the first audio packet waits for the talker's first
-# frame only; each later chunk is as long as all before it together, up to CODE2WAV_CHUNK (orin.vocoder.
-# chunk_frames): a frame is 80 ms of audio and 15-25 ms of talker steps, so each chunk is ready before the audio
-# already out has played. Each chunk is decoded with left context so the causal convolutions see the same history
-# as a whole-utterance decode. The planner sizes code2wav activations from these.
-CODE2WAV_FIRST_CHUNK = 1
-CODE2WAV_CHUNK = 32
-CODE2WAV_LEFT_CONTEXT = 25
-# The talker may start speaking after the thinker has produced this many text tokens.
-TALKER_START_TOKENS = 1
-# The most patches one vision-encoder pass over a video takes (whole temporal grids; 784 patches a grid at 448²):
-# the encoder attends within a temporal grid only, so a clip goes through a few grids at a time. Run 21 (2 fps,
-# 16,384) peaked at 1.0 GB over the resident weights and caches while encoding, the request's peak: half as many
-# patches halves a pass's activations; passes of 8,192 patches are still a few large GEMMs each.
-VIDEO_ENCODE_PATCHES = 8192
-# A long prompt's whole-prompt attention (Hopper, cuDNN: orin.decoder_layer.attention_block_long) pads its rows to
-# a multiple of this, so prompts of nearby lengths share cuDNN's plan for the shape (~80 ms to build on an H200,
-# against ~8 ms a layer to run at 25k tokens).
-WHOLE_PROMPT_BUCKET = 1024
-# Over this prompt length (a video's tens of thousands of tokens) the prefill runs eagerly, not from a CUDA
-# graph (whose pool would keep a one-off length's intermediates), one layer at a time over the whole prompt,
-# its attention this many tokens at a time (orin.decode): the working memory is a chunk's, plus a few
-# whole-prompt hidden states, whatever the prompt's length.
-LONG_PREFILL_TOKENS = 4096
-# A decoder's static KV cache holds a multiple of this many positions. Growing it re-captures the decode graphs and
-# drops the prefill graphs that read it; a Realtime conversation's context grows by a turn each response, and with
-# a cache sized to the token it crossed its size, and paid the captures, on every turn. At the thinker's widths a
-# granule is 96 MiB (the plan counts the rounded size).
-CACHE_GRANULE = 1024
-
-
-def cache_positions(n: int) -> int:
-    """The positions a static KV cache that must hold `n` is given."""
-    return -(-max(1, n) // CACHE_GRANULE) * CACHE_GRANULE
-
-# Token-expert rows a long prompt's MoE gathers at once (orin.int4_experts.Int4Experts.add_long): 4,096 tokens'
-# worth at the thinker's top-8, 235 MB of rows and gate/up outputs at its widths. Half as many (run 36) left the
-# GEMMs as fast but doubled the blocks, whose launches the host makes after the layer's sync with the GPU idle
-# until they come: with orin.plan.LONG_DEQUANT_CHUNK, twice the rows halved a video prefill's MoE launches
-# (BENCHMARKS.md, run 59). The extra bytes sit in the MLP's half of a layer, under the attention's peak there.
-LONG_MOE_BLOCK_ROWS = 32768
-
 
 def long_prefill_widen(thinker_hidden: int, hidden: int) -> int:
-    """How many times the thinker's rows (LONG_PREFILL_TOKENS a chunk, LONG_MOE_BLOCK_ROWS a MoE block) a long
-    prompt's chunks and blocks take in a decoder `hidden` wide: the talker, half the thinker's width in its
-    hidden state, queries and experts, twice as many rows for the same bytes. At 25k video rows its prefill was
-    8,250 launches, a third of its time host-bound (BENCHMARKS.md, run 52v); twice the rows, half the chunks and
-    blocks and their launches."""
+    """How many times the thinker's rows (the profile's long_prefill_tokens a chunk, long_moe_block_rows a MoE
+    block) a long prompt's chunks and blocks take in a decoder `hidden` wide: the talker, half the thinker's width
+    in its hidden state, queries and experts, takes twice as many rows for the same bytes, and half the chunks and
+    blocks and their launches (a long prompt's prefill is partly bound by the host's launches)."""
     return max(1, thinker_hidden // hidden)
 
 

@@ -1,6 +1,7 @@
 """What the engine takes and gives, without torch or numpy: the request, the events its stream yields, the
-per-request report, and the events an observer of residency sees. The server, the CLI, smoke and the benchmark
-read these types and nothing inside the engine."""
+per-request report (its schedule's stages and its energy included), and the events an observer of residency sees.
+The server, the CLI, smoke and the benchmark read these types and nothing inside the engine. A leaf: it imports
+nothing of orin, so every layer may read it (orin.plan and orin.power.energy build its Stage and EnergyReport)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .plan import Stage, frame_cap
-from .power.energy import EnergyReport
-
 if TYPE_CHECKING:  # the samples' type only: consumers without numpy import this module too
     import numpy as np
+
+
+def frame_cap(text_tokens: int, max_frames: int | None = None) -> int:
+    """Most codec frames the talker may produce for `text_tokens` of text (it normally stops at its own EOS
+    first): 8 a token is 0.64 s of speech per token, far above real speech, plus slack for short answers.
+    The engine stops the talker here, and the planner sizes the talker's KV cache from it."""
+    return max_frames or text_tokens * 8 + 32
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,107 @@ class Staged:
 Observer = Callable[[object], None]
 
 
+@dataclass
+class Stage:
+    """One stage of a request's residency schedule (orin.plan): the components resident together and their bytes."""
+
+    name: str
+    resident: tuple[str, ...]
+    bytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "resident": list(self.resident), "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class Energy:
+    """Energy over one window (or several, summed). `joules` is None when no reading covers the window: that
+    is "not measured", never zero. `covered_seconds` < `seconds` means readings cover only part of it."""
+
+    joules: float | None
+    mean_w: float | None
+    peak_w: float | None
+    seconds: float
+    covered_seconds: float = 0.0
+    samples: int = 0
+    count: int = 1
+
+    @property
+    def available(self) -> bool:
+        return self.joules is not None
+
+    @property
+    def complete(self) -> bool:
+        return self.available and self.covered_seconds >= self.seconds - 1e-9 * max(1.0, self.seconds)
+
+    def to_json(self) -> dict:
+        return {
+            "joules": self.joules, "mean_w": self.mean_w, "peak_w": self.peak_w, "seconds": self.seconds,
+            "covered_seconds": self.covered_seconds, "samples": self.samples, "count": self.count,
+            "complete": self.complete,
+        }
+
+
+@dataclass(frozen=True)
+class EnergyReport:
+    """Energy of one request (or any measured window): the board total, each rail, and each pipeline stage
+    that ran inside it (a stage that ran several times is summed; nested stages are each counted in full).
+    orin.power.energy integrates it from the power samples."""
+
+    name: str
+    backend: str
+    backends: tuple[str, ...]
+    total: Energy
+    rails: Mapping[str, Energy] = field(default_factory=dict)
+    by_stage: Mapping[str, Energy] = field(default_factory=dict)
+
+    @property
+    def joules(self) -> float | None:
+        return self.total.joules
+
+    @property
+    def mean_w(self) -> float | None:
+        return self.total.mean_w
+
+    @property
+    def peak_w(self) -> float | None:
+        return self.total.peak_w
+
+    @property
+    def seconds(self) -> float:
+        return self.total.seconds
+
+    @property
+    def available(self) -> bool:
+        return self.total.available
+
+    @property
+    def complete(self) -> bool:
+        return self.total.complete
+
+    @property
+    def note(self) -> str | None:
+        if not self.total.available:
+            return "power not measured: no power backend was reading during this window"
+        if not self.total.complete:
+            return (f"power readings cover {self.total.covered_seconds:.3f} s of {self.total.seconds:.3f} s; "
+                    "joules are for the covered part only")
+        return None
+
+    def to_json(self) -> dict:
+        out = {
+            "name": self.name, "backend": self.backend, "backends": list(self.backends),
+            "available": self.available, "complete": self.complete,
+            "joules": self.joules, "mean_w": self.mean_w, "peak_w": self.peak_w, "seconds": self.seconds,
+            "covered_seconds": self.total.covered_seconds, "samples": self.total.samples,
+            "rails": {name: e.to_json() for name, e in self.rails.items()},
+            "by_stage": {name: e.to_json() for name, e in self.by_stage.items()},
+        }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
 @dataclass(frozen=True)
 class Report:
     """One request's outcome and figures."""
@@ -120,6 +226,9 @@ class Report:
     cancelled: bool
     finish_reason: str  # "stop" (end of turn), "length" (max_new_tokens) or "cancelled"
     timeline_s: Mapping[str, float] = field(default_factory=dict)  # seconds from the start to each first output
+    # The named routes this request took through the hot path, each chosen once: the device profile, the MoE
+    # backend, how the thinker's and the talker's prefills ran (orin.prefill_route.PrefillRoute's values).
+    routes: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -131,6 +240,7 @@ class Report:
             "schedule": [s.to_json() for s in self.schedule], "streaming_speech": self.streaming_speech,
             "swaps": [s.to_json() for s in self.swaps], "resident_after": list(self.resident_after),
             "energy": self.energy.to_json(), "cancelled": self.cancelled, "finish_reason": self.finish_reason,
+            "routes": dict(self.routes),
         }
 
 

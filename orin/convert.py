@@ -141,7 +141,7 @@ def convert_checkpoint(cfg: ConvertConfig, log: Callable[[str], None] = lambda _
     from .fsutil import atomic_dir
     from .manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, verify_files, write_manifest
     from .model_config import load_omni_config
-    from .plan import meta_model
+    from .model_sizes import meta_model
 
     src, out = Path(cfg.model_dir), Path(cfg.out)
     old = _old_manifest(src)

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import components as C
-from .attention_kernels import without_cudnn_attention
-from .audio_format import OUTPUT_SAMPLE_RATE
-from .contract import AudioChunk, Done, GenerationRequest, Observer, Report, Staged, TextDelta
+from .attention import without_cudnn_attention
+from .contract import AudioChunk, Done, GenerationRequest, Observer, Staged, TextDelta
+from .device.profile import DeviceProfile
 from .errors import InputError
-from .request_state import Cancelled, RequestState
+from .request_state import Cancelled, RequestPlan, RequestState, build_report
 
 log = logging.getLogger("orin.engine")
 
@@ -50,25 +49,9 @@ class EngineConfig:
     # Where INT4 modules are kept in the device's kernel layout after their first load (orin.packed_cache), so
     # later loads read instead of converting; None converts on every load.
     packed_cache: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestPlan:
-    """The planner's numbers for one request: its schedule and the bytes each stage needs beside the weights."""
-
-    verdict: object  # orin.plan.Verdict
-    kv: dict
-    act: dict
-    margin: int
-    keeps_weights: bool  # all-resident: every weight stays put
-    stages: object  # orin.residency.StagePlan: the loader's stagings for this request, in order
-    streaming: bool  # the talker speaks while the thinker decodes
-    # The components whose whole-input work (an encoder's pass, a decoder's prefill, code2wav's chunks) replays
-    # CUDA graphs: those whose weights stay put over a stream of such requests (all of them all-resident; time-
-    # sliced, those orin.residency's steady state never moves). A component that moves would capture anew at
-    # every request (four passes' work for one replay); the graphs' pools sit in the runtime margin, as
-    # all-resident. The decode steps replay graphs everywhere (re-captured where their weights moved).
-    graphs: tuple[str, ...] = ()
+    # Every tuning number and capability of the hot path (orin.device.profile). None: detected from the device
+    # when the engine starts; tests and the benchmark pass one (dataclasses.replace of a named profile).
+    profile: DeviceProfile | None = None
 
 
 class Engine:
@@ -78,11 +61,11 @@ class Engine:
 
         from .checkpoint import Checkpoint
         from .decode import Decoders
-        from .device import pick_device
+        from .device.select import pick_device
         from .inputs import Processor
         from .loader import Loader
+        from .model_sizes import size_model
         from .packed_cache import PackedCache
-        from .plan import size_model
         from .power.meter import PowerConfig, PowerMeter
         from .thinker import Thinker
 
@@ -90,6 +73,10 @@ class Engine:
         self._observer = observer
         self.device = pick_device(cfg.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        from .device.capabilities import detect
+
+        self.profile = cfg.profile or detect(self.device, self.dtype)
+        log.info("%s", self.profile.render().splitlines()[0])
         self.ckpt = Checkpoint.open(cfg.model_dir, verify=cfg.verify_checksums)
         self.config = self.ckpt.config
         self.sizes = size_model(self.config, self.ckpt.spec, self.ckpt.split, dtype_bytes=self.dtype.itemsize)
@@ -97,7 +84,7 @@ class Engine:
                   if cfg.packed_cache else None)
         self.loader = Loader(self.ckpt, self.device, self.dtype, cfg.budget,
                              estimates={u: b for s in self.sizes.components.values() for u, b in s.units.items()},
-                             on_swap=self._notify, packed=packed)
+                             on_swap=self._notify, packed=packed, profile=self.profile)
         self.model = self.loader.model
         self.processor = Processor.from_dir(cfg.model_dir)
         self.tokenizer = self.processor.tokenizer
@@ -106,11 +93,11 @@ class Engine:
                                                         sysfs_root=cfg.sysfs_root)).start()
         self._lock = threading.Lock()
         compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
-        self.decoders = Decoders(self.model, self.device, compile)
-        self.thinker = Thinker(self.model, self.config, self.device, self.dtype, self.decoders)
+        self.decoders = Decoders(self.model, self.device, compile, self.profile)
+        self.thinker = Thinker(self.model, self.config, self.device, self.dtype, self.decoders, self.profile)
         from .encoder_graphs import EncoderGraphs
 
-        self.vocoder_graphs = EncoderGraphs(self.device)  # code2wav's chunk shapes (orin.vocoder)
+        self.vocoder_graphs = EncoderGraphs(self.device, self.profile.capture)  # code2wav's chunk shapes (orin.vocoder)
         self._heap_frozen = False
         self._kept_weights = False  # whether the last request's plan kept every weight in place
 
@@ -127,6 +114,41 @@ class Engine:
     def voices(self) -> tuple[str, ...]:
         """The talker's speaker names (lower case, as requests match them), from the checkpoint's config."""
         return tuple(sorted(self.config.talker_config.speaker_id or {}))
+
+    @property
+    def context_tokens(self) -> int:
+        """The thinker's context length (its max_position_embeddings): what a prompt and its answer share."""
+        text = self.config.raw.get("thinker_config", {}).get("text_config", {})
+        return int(text.get("max_position_embeddings", 32768))
+
+    def count_tokens(self, messages, *, generation_prompt: bool = False) -> int:
+        """Tokens of `messages` (orin.prompt's format) as the chat template renders them, each media part as its
+        one placeholder token (audio_tokens and image_tokens count what it expands to); nothing is featurised."""
+        text = self.processor.apply_chat_template(list(messages), add_generation_prompt=generation_prompt)
+        return len(self.tokenizer.encode(text))
+
+    def audio_tokens(self, samples_16k: int) -> int:
+        """The prompt tokens an audio of `samples_16k` samples at 16 kHz expands to (its Whisper frames)."""
+        import math
+
+        from .audio_format import audio_token_count
+
+        s = self.processor.log_mel.settings
+        return audio_token_count(math.ceil(samples_16k / s.hop_length), s.n_window)
+
+    def image_tokens(self, image) -> int:
+        """The prompt tokens a PIL image expands to: its patch grid after the processor's resize, merged."""
+        from .inputs.image_patches import smart_resize
+
+        s = self.processor.patcher.settings
+        height, width = image.height, image.width
+        if s.do_resize:
+            height, width = smart_resize(height, width, s.factor, s.min_pixels, s.max_pixels)
+        return (height // s.patch_size) * (width // s.patch_size) // (s.merge_size ** 2)
+
+    def decode_tokens(self, ids) -> str:
+        """The text of token ids, special tokens left out (as a request's answer is)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def memory(self) -> dict:
         return {"resident_bytes": self.loader.resident_bytes(), "allocated_bytes": self.loader.allocated_bytes(),
@@ -197,7 +219,9 @@ class Engine:
                     yield from self._pipeline(state, prompt, plan)
                 except Cancelled:
                     log.info("request cancelled by the client after %d tokens", len(state.tokens))
-            report = self._report(state, prompt, plan, measurement.report)
+            report = build_report(state, prompt, plan, measurement.report, self._routes(state),
+                                  text=self.decode_tokens(state.tokens), loader=self.loader, budget=self.cfg.budget,
+                                  device=str(self.device))
             self._prepare_next(plan)
             self._settle_heap()
             yield Done(report)
@@ -228,32 +252,24 @@ class Engine:
         if not req.messages:
             raise InputError("messages is empty: give at least one user message")
 
-    @staticmethod
-    def _needed(req: GenerationRequest, prompt) -> tuple[str, ...]:
-        need = {"thinker_text"}
-        if prompt.has_audio:
-            need.add("audio_encoder")
-        if prompt.has_image or prompt.has_video:
-            need.add("vision_encoder")
-        if req.speech:
-            need.update(C.SPEECH_COMPONENTS)
-        return tuple(c for c in C.PIPELINE if c in need)
-
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from .plan import RUNTIME_MARGIN, activation_bytes, decide, kv_bytes, require_fit, stagings, vision_sizes
+        from .plan import decide, require_fit, stagings
+        from .request_sizes import AUDIO_FRAMES_PER_SECOND, Request, activation_bytes, kv_bytes, vision_sizes
 
         n = prompt.length
         tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": prompt.n_video_tokens,
                   "prompt": n, "generated": req.max_new_tokens, "total": n + req.max_new_tokens,
                   "talker_frames": req.frame_cap if req.speech else 0,
-                  **vision_sizes(prompt.image_grids, prompt.video_grids)}
-        kv = kv_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
-        act = activation_bytes(tokens, self.sizes.dims, self.dtype.itemsize)
+                  **vision_sizes(prompt.image_grids, prompt.video_grids, self.profile.prefill.video_encode_patches)}
+        kv = kv_bytes(tokens, self.sizes.dims, self.dtype.itemsize, self.profile)
+        act = activation_bytes(tokens, self.sizes.dims, self.dtype.itemsize, self.profile)
         budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62
-        # On CPU the loader counts the engine's tensors exactly; on CUDA the allocator also holds graph pools,
-        # workspaces and slack that no estimate lists.
-        margin = RUNTIME_MARGIN if self.device.type == "cuda" else 0
-        verdict = decide(self.loader.sizes(), kv, act, self._needed(req, prompt), budget, margin)
+        margin = self.profile.memory.runtime_margin
+        # the components it needs: the planner's Request of the media this prompt holds (one definition)
+        video_s = sum(grid[0] * s for grid, s in zip(prompt.video_grids, prompt.video_seconds, strict=True))
+        needed = Request(audio_seconds=sum(prompt.audio_lengths) / AUDIO_FRAMES_PER_SECOND,
+                         images=len(prompt.image_grids), video_seconds=video_s, speech=req.speech).needed()
+        verdict = decide(self.loader.sizes(), kv, act, needed, budget, margin)
         require_fit(verdict)
         streaming = req.speech and req.stream_speech and verdict.streaming
         stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=self.cfg.prefetch)
@@ -291,13 +307,18 @@ class Engine:
         self.loader.observe()
         state.stop_if_cancelled()
 
+    def _routes(self, state: RequestState) -> dict[str, str]:
+        """The named routes the request took (Report.routes): each decided once, at construction or by the
+        prefill's one route function."""
+        return {"profile": self.profile.name, "moe": self.decoders.moe_backend() or "none", **state.routes}
+
     # ------------------------------------------------------------------ the pipeline
 
     def _pipeline(self, state: RequestState, prompt, plan: RequestPlan) -> Iterator:
         import torch
 
-        from .cuda_gate import GATE
-        from .thinker import Detokenizer, TextEmbeddings, Thinker
+        from .device.gate import GATE
+        from .thinker import Detokenizer, TextEmbeddings, Thinker, next_turn_rows
         from .vocoder import Vocoder
 
         req = state.req
@@ -338,6 +359,7 @@ class Engine:
             self.loader.set_cache_bytes(decoder.cache_bytes())
         state.mark("prefilled")
         state.mark(f"prefill_{decoder.last_prefill}")  # how it ran: StaticDecoder.last_prefill
+        state.routes["prefill"] = str(decoder.last_prefill)
         token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.ttft = time.perf_counter() - state.t0
         state.mark("first_token")
@@ -352,7 +374,7 @@ class Engine:
         del hidden_states
         vocoder = Vocoder(self.model, self.device, state, self._code2wav_stager(plan, state),
                           self.vocoder_graphs if "code2wav" in plan.graphs else None,
-                          self.meter.stage) if req.speech else None
+                          self.meter.stage, self.profile.speech) if req.speech else None
         detok = Detokenizer(self.tokenizer)
         while True:
             state.tokens.append(token)
@@ -374,7 +396,7 @@ class Engine:
             token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.decode_end = time.perf_counter()
         if req.continues:  # a conversation's next turn: its bucket, now that the answer's length is known
-            decoder.turn_ended(self._next_turn_rows(prompt, state.tokens))
+            decoder.turn_ended(next_turn_rows(self.config, self.tokenizer, prompt, state.tokens))
         if req.speech and not streaming:  # the talker reads the prompt's text rows from the table too
             embeddings.remember(state.tokens + prompt.input_ids.reshape(-1).tolist())
         tail = detok.flush()
@@ -396,23 +418,11 @@ class Engine:
         yield from vocoder.feed([], final=True)
         vocoder.make_resident()  # staged once per request even when no frame came (the schedule `plan` shows)
 
-    def _next_turn_rows(self, prompt, answer: list[int]) -> int:
-        """The rows a conversation's next turn will likely prefill after this prompt's: this answer as the next
-        prompt holds it (its text tokenized again: the tokens a model samples are not always those its tokenizer
-        gives the text, and a random model's decode to bytes that tokenize six times longer), its end-of-turn
-        tokens (<|im_end|>, a newline), then a user turn as long as this prompt's last one (from its <|im_start|>
-        to the end, the assistant's header included)."""
-        ids = prompt.input_ids.reshape(-1).tolist()
-        starts = [i for i, t in enumerate(ids) if t == self.config.im_start_token_id]
-        question = len(ids) - (starts[-2] if len(starts) > 1 else 0)
-        text = self.tokenizer.decode(answer, skip_special_tokens=True)
-        return len(self.tokenizer.encode(text)) + 2 + question
-
     def _code2wav_stager(self, plan: RequestPlan, state: RequestState):
         """What the vocoder calls before each chunk: streaming, the speech side's last staging beside the
         thinker, once (it may evict what that stage's working bytes need room from, as `plan` simulates);
         otherwise code2wav alone, where it is not resident."""
-        from .plan import working_bytes
+        from .request_sizes import working_bytes
         from .residency import StageCall
 
         staged = False
@@ -448,11 +458,12 @@ class Engine:
 
         embeddings, prompt, thinker_hidden = ctx
         talker = Talker(self.model, self.config, self.device, self.decoders, embeddings, state, prompt,
-                        thinker_hidden, on_cache=self.loader.set_cache_bytes)
+                        thinker_hidden, on_cache=self.loader.set_cache_bytes, prefill=self.profile.prefill)
         with self.meter.stage("talker"):
             talker.prefill("talker" in plan.graphs)
         state.mark("talker_prefilled")
         state.mark(f"talker_prefill_{talker.decoder.last_prefill}")
+        state.routes["talker_prefill"] = str(talker.decoder.last_prefill)
         return talker
 
     def _advance_talker(self, state: RequestState, talker, vocoder, thinker_done: bool):
@@ -485,39 +496,3 @@ class Engine:
         state.talker_seconds += time.perf_counter() - start
         self._check(state)
         return out
-
-    # ------------------------------------------------------------------ report
-
-    def _report(self, state: RequestState, prompt, plan: RequestPlan, energy) -> Report:
-        decode_tokens = max(0, len(state.tokens) - 1)
-        decode_s = (state.decode_end or time.perf_counter()) - (state.decode_start or state.t0)
-        req = state.req
-        if state.cancelled():
-            finish = "cancelled"
-        else:
-            finish = "length" if len(state.tokens) >= req.max_new_tokens else "stop"
-        return Report(
-            text=self.tokenizer.decode(state.tokens, skip_special_tokens=True),
-            prompt_tokens=prompt.length,
-            completion_tokens=len(state.tokens),
-            token_ids=tuple(state.tokens),
-            ttft_s=state.ttft,
-            first_audio_s=state.first_audio,
-            timeline_s=dict(state.timeline),
-            tokens_per_s=(decode_tokens / decode_s) if decode_tokens and decode_s > 0 else None,
-            total_s=time.perf_counter() - state.t0,
-            talker_frames=len(state.frames),
-            talker_s=state.talker_seconds,
-            audio_seconds=state.audio_samples / OUTPUT_SAMPLE_RATE,
-            peak_bytes=self.loader.peak_bytes(),
-            budget_bytes=self.cfg.budget,
-            device=str(self.device),
-            schedule=tuple(plan.verdict.schedule),
-            streaming_speech=plan.streaming,
-            swaps=self.loader.take_swaps(),
-            resident_after=self.loader.resident(),
-            energy=energy,
-            cancelled=state.cancelled(),
-            finish_reason=finish,
-        )
-

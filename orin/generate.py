@@ -8,13 +8,17 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import InputError
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    model_dir: str
+    engine: EngineConfig  # the checkpoint and how it is loaded
     text: str | None = None
     images: tuple[str, ...] = ()
     audios: tuple[str, ...] = ()
@@ -24,15 +28,11 @@ class GenerateConfig:
     max_video_seconds: float = 600.0
     out_wav: str | None = None
     speech: bool | None = None  # None: speak when --out-wav says where the speech goes
-    budget: int | None = None
     max_new_tokens: int = 256
     voice: str = "ethan"
-    device: str = "auto"
     as_json: bool = False
-    power_backend: str = "auto"
     temperature: float = 0.0
     max_audio_frames: int | None = None
-    packed_cache: str | None = None  # orin.packed_cache's directory (None: convert INT4 layers on every load)
 
     @property
     def wants_speech(self) -> bool:
@@ -71,14 +71,13 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     out = sys.stdout if out is None else out  # looked up per call: a test runner swaps them after import
     err = sys.stderr if err is None else err
     from .contract import AudioChunk, Done, TextDelta
-    from .engine import Engine, EngineConfig
+    from .engine import Engine
     from .media import write_wav
 
     if cfg.out_wav and cfg.speech is False:
         raise InputError("--out-wav needs speech; drop --no-speech")
     request = build_request(cfg)  # bad media fails before the model is loaded
-    engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
-                                 power_backend=cfg.power_backend, packed_cache=cfg.packed_cache))
+    engine = Engine(cfg.engine)
     try:
         chunks, report = [], None
         for event in engine.stream(request):

@@ -3,23 +3,22 @@
 - ``Int4Linear`` replaces a quantized ``nn.Linear``; ``Int4Experts`` (orin.int4_experts) a fused MoE experts
   module. Both hold their GPTQ weights in torch's int4pack layout (orin.int4pack: packing, reading back,
   dequantizing, the kernels); ``orin.layout.runtime_int4_bytes`` is what they hold.
-- Routes: tinygemm is GEMV-shaped, fast for a few rows and far off a dense GEMM at hundreds. From
-  ``dense_min_rows`` rows (default ``LINEAR_DEQUANT_MIN_ROWS``) an ``Int4Linear`` dequantizes its weight to the
-  compute dtype and runs one dense GEMM (``"dense"``), below that tinygemm (``"tinygemm"``); ``Int4Experts``
-  picks among its routes likewise (orin.int4_experts). ``forward(..., route=...)`` forces one, for checks that
-  compare them.
+- Routes: tinygemm is GEMV-shaped, fast for a few rows and far off a dense GEMM at hundreds. From the device
+  profile's ``prefill.linear_dequant_min_rows`` rows an ``Int4Linear`` dequantizes its weight to the compute
+  dtype and runs one dense GEMM (``"dense"``), below that tinygemm (``"tinygemm"``): ``route_for`` says which.
+  ``Int4Experts`` runs on the MoE backend chosen when it is loaded (orin.moe_backends).
 
 The loader's protocol (the model skeleton is built on the meta device):
 
 1. ``convert_for_runtime(model, paths)`` swaps each quantized ``nn.Linear`` / fused experts module for an empty
    ``Int4Linear`` / ``Int4Experts`` shell; shells hold no tensors at all.
-2. For each shell, ``load_int4_module(module, tensors, device, dtype)`` where ``tensors`` maps the checkpoint keys
-   *relative to the module path* (``int4_tensor_keys(module)`` lists them: ``qweight``... for a Linear,
-   ``{e}.gate_proj.qweight``... for experts) to tensors. ``tensors`` may be a lazy Mapping over ``safe_open``:
-   experts are read and converted a batch at a time (``orin.int4_experts.LOAD_BATCH_BYTES``), so the transient
+2. For each shell, ``load_int4_module(module, tensors, device, dtype, profile=...)`` where ``tensors`` maps the
+   checkpoint keys *relative to the module path* (``int4_tensor_keys(module)`` lists them: ``qweight``... for a
+   Linear, ``{e}.gate_proj.qweight``... for experts) to tensors. ``tensors`` may be a lazy Mapping over ``safe_open``:
+   experts are read and converted a batch at a time (the profile's ``moe.load_batch_bytes``), so the transient
    memory is one batch's (one layer's for a Linear), and the result is written into its final buffer on
-   ``device``. Passing tensors already on ``device`` makes the
-   unpacking run there (fastest on the GPU).
+   ``device``. Passing tensors already on ``device`` makes the unpacking run there (fastest on the GPU). The
+   profile (orin.device.profile; the CPU's by default) gives the modules their numbers and their kernels.
 3. To swap a segment out, ``unload_int4_module(module)`` drops the buffers (or ``module.to(...)`` moves them;
    they run again once back on the device type they were packed for).
 
@@ -35,18 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .device.profile import CPU, DeviceProfile
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS
 from .int4_experts import Int4Experts
-from .int4pack import check_device, dequantize_packed, int4_mm, kernel_errors, to_kernel, triton_available
-
-# Rows from which an Int4Linear runs as dequantize + dense GEMM instead of tinygemm (prefill, encoders). The
-# module runs eagerly, where launching the Triton dequantizer costs ~40 us of host time: below 256 rows
-# tinygemm's one launch wins (the real vision encoder, 196 rows: 32.5 ms against 48.5 ms, BENCHMARKS.md). Inside a
-# CUDA graph only device time counts: orin.fastdecode's prefill dequantizes from GRAPH_DEQUANT_MIN_ROWS.
-LINEAR_DEQUANT_MIN_ROWS = 256
-GRAPH_DEQUANT_MIN_ROWS = 64
-LINEAR_ROUTES = ("tinygemm", "dense")
+from .int4pack import check_device, dequantize_packed, int4_mm, to_kernel
+from .moe_backends import triton_runs
 
 
 class Int4Linear(nn.Module):
@@ -57,13 +50,15 @@ class Int4Linear(nn.Module):
     result back to x's dtype.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 dense_min_rows: int = LINEAR_DEQUANT_MIN_ROWS) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.has_bias = bias
-        self.dense_min_rows = dense_min_rows
+        # the loaders set these from the device profile: the dense route's first row count, and whether the
+        # dequantizer is the Triton kernel
+        self.dense_min_rows = CPU.prefill.linear_dequant_min_rows
+        self.triton = False
         self.group_size: int | None = None
         self.kernel_group_size: int | None = None
         self.padded_in_features: int | None = None
@@ -93,6 +88,8 @@ class Int4Linear(nn.Module):
         device: torch.device | str,
         dtype: torch.dtype = torch.bfloat16,
         name: str = "layer",
+        *,
+        profile: DeviceProfile = CPU,
     ) -> Int4Linear:
         """Fill this module from the GPTQ v1 tensors of one layer (``name`` is its path, for error messages).
 
@@ -103,7 +100,7 @@ class Int4Linear(nn.Module):
         self.unload_()  # never hold the old and the new buffers at once
         if self.has_bias and "bias" not in tensors:
             raise ModelError(f"{name}.bias missing from the checkpoint; re-run orin-omni quantize")
-        kw = to_kernel(tensors, self.in_features, device, dtype, name)
+        kw = to_kernel(tensors, self.in_features, device, dtype, name, profile.memory.cpu_convert_chunk_rows)
         if kw.N != self.out_features:
             raise ModelError(
                 f"{name}: checkpoint has {kw.N} outputs, the model's Linear {self.out_features}; it does not match this model"
@@ -112,10 +109,15 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = kw.scales_and_zeros
         self.group_size, self.kernel_group_size = kw.group, kw.kernel_group
         self.padded_in_features, self.padded_out_features = kw.K_run, kw.N_pad
-        self.layout = device.type
+        self._loaded(device, profile)
         # a private copy: the tensor given may be a view of a larger block read (orin.block_reader)
         self.bias = tensors["bias"].to(device=device, dtype=self.compute_dtype, copy=True) if self.has_bias else None
         return self
+
+    def _loaded(self, device: torch.device, profile: DeviceProfile) -> None:
+        self.layout = device.type
+        self.dense_min_rows = profile.prefill.linear_dequant_min_rows
+        self.triton = triton_runs(profile, device)
 
     def unload_(self) -> None:
         """Drop the packed buffers (the module becomes an empty shell again)."""
@@ -134,7 +136,7 @@ class Int4Linear(nn.Module):
 
     @torch.no_grad()
     def load_packed_(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, device: torch.device | str,
-                     name: str = "layer") -> Int4Linear:
+                     name: str = "layer", *, profile: DeviceProfile = CPU) -> Int4Linear:
         """Take `packed_state`'s buffers as they are (already in `device`'s kernel layout: no conversion)."""
         device = torch.device(device)
         self.unload_()
@@ -153,7 +155,7 @@ class Int4Linear(nn.Module):
         self.bias = tensors.get("bias")
         self.group_size, self.kernel_group_size = group, kernel_group
         self.padded_in_features, self.padded_out_features = padded_in, padded_out
-        self.layout = device.type
+        self._loaded(device, profile)
         return self
 
     @classmethod
@@ -164,29 +166,28 @@ class Int4Linear(nn.Module):
         device: torch.device | str,
         dtype: torch.dtype = torch.bfloat16,
         name: str = "layer",
+        *,
+        profile: DeviceProfile = CPU,
     ) -> Int4Linear:
         module = cls(in_features, tensors["qweight"].shape[1], bias="bias" in tensors)
-        return module.load_gptq_(tensors, device, dtype, name)
+        return module.load_gptq_(tensors, device, dtype, name, profile=profile)
 
     def route_for(self, rows: int) -> str:
-        """The route forward takes for this many rows when the caller names none."""
+        """The route forward takes for this many rows: "dense" (dequantize + one dense GEMM) or "tinygemm"."""
         return "dense" if rows >= self.dense_min_rows else "tinygemm"
 
-    def forward(self, x: torch.Tensor, *, route: str | None = None) -> torch.Tensor:
-        """``route``: one of ``LINEAR_ROUTES`` to run that one, else ``route_for``'s choice."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_device(self.weight_packed, self.layout, "Int4Linear")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        chosen = self.route_for(x2.shape[0]) if route is None else route
-        if chosen not in LINEAR_ROUTES:
-            raise ValueError(f"unknown route {route!r} for Int4Linear: use one of {', '.join(LINEAR_ROUTES)}")
+        chosen = self.route_for(x2.shape[0])
         if x2.dtype != self.compute_dtype:
             x2 = x2.to(self.compute_dtype)
         if self.padded_in_features > self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         bias = self.bias
         if chosen == "dense":
-            w = dequantize_packed(self.weight_packed, self.scales_and_zeros, self.kernel_group_size)
+            w = dequantize_packed(self.weight_packed, self.scales_and_zeros, self.kernel_group_size, self.triton)
             if self.padded_out_features == self.out_features and (bias is None or bias.dtype == w.dtype):
                 y, bias = F.linear(x2, w, bias), None  # the bias in the GEMM's epilogue: one launch less
             else:
@@ -269,10 +270,13 @@ def load_int4_module(
     device: torch.device | str,
     dtype: torch.dtype = torch.bfloat16,
     name: str = "layer",
+    *,
+    profile: DeviceProfile = CPU,
 ) -> nn.Module:
-    """Fill an INT4 shell from its checkpoint tensors (keys relative to the module path, see ``int4_tensor_keys``)."""
+    """Fill an INT4 shell from its checkpoint tensors (keys relative to the module path, see ``int4_tensor_keys``),
+    to run as `profile` (orin.device.profile) says."""
     if isinstance(module, (Int4Linear, Int4Experts)):
-        return module.load_gptq_(tensors, device, dtype, name=name)
+        return module.load_gptq_(tensors, device, dtype, name=name, profile=profile)
     raise TypeError(f"{name} is a {type(module).__name__}, not an INT4 module")
 
 
@@ -301,20 +305,15 @@ def quantized_module_paths(keys: Iterable[str]) -> set[str]:
     return paths
 
 
-# The runtime's public face: the loader, orin.fastdecode and the devtools import these from here (the kernels'
-# state and the dequantizer live in orin.int4pack).
+# The runtime's public face: the loader, orin.decoder_layer and the devtools import these from here (the layout
+# and the dequantizer live in orin.int4pack, the MoE's kernels in orin.moe_backends).
 __all__ = [
-    "GRAPH_DEQUANT_MIN_ROWS",
-    "LINEAR_DEQUANT_MIN_ROWS",
-    "LINEAR_ROUTES",
     "Int4Experts",
     "Int4Linear",
     "convert_for_runtime",
     "dequantize_packed",
     "int4_tensor_keys",
-    "kernel_errors",
     "load_int4_module",
     "quantized_module_paths",
-    "triton_available",
     "unload_int4_module",
 ]

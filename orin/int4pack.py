@@ -22,15 +22,12 @@ and CUDA: weights packed for one cannot run on the other (``check_device`` says 
 Dequantizing (the prefill's dense GEMMs) reads the packed layout directly: on CUDA by the layout of
 ``int4mm.cu``'s ``matrix_to_m16n8k16_Bint4_layout`` (``_codes_cuda``, checked once per process against the real
 converter; the Triton kernels read the same layout); on CPU, whose layout depends on the ISA, by an order found
-by converting probe matrices (``_cpu_order``). A Triton kernel that fails is switched off for the process and
-its torch fallback runs instead; ``kernel_errors()`` says which and why.
+by converting probe matrices (``_cpu_order``). Whether the Triton dequantizer runs is the caller's to say (its
+MoE backend's, orin.moe_backends, decided once when the weights were loaded): the torch ops compute the same.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 import math
 import sys
 from collections.abc import Mapping
@@ -38,38 +35,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from .device.profile import CPU
 from .errors import ModelError
 from .gptq_format import GPTQ_KEYS, check_in_features, decode_qzeros_v1, gptq_v1_geometry
 from .layout import INT4_N_ALIGN, kernel_group_size
-
-log = logging.getLogger("orin.int4pack")
-
-# Rows converted at once on CPU, bounding the int32 [rows, K] transient; a multiple of the CPU kernel's 64-row block.
-CPU_CONVERT_CHUNK_ROWS = 4096
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether orin.kernels' Triton kernels can run here: Triton installed (CUDA builds of torch bring it) and a
-    CUDA device."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
-
-
-class SwitchedKernel:
-    """A Triton kernel with a torch fallback, switched off for the rest of the process at its first failure: a
-    kernel that cannot build must not stop inference. `error` says why it is off (orin.int4pack.kernel_errors)."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-
-    def runs_on(self, t: torch.Tensor) -> bool:
-        """Whether the kernel runs for tensors like `t`: on CUDA, with Triton, not switched off."""
-        return self.error is None and t.is_cuda and triton_available()
-
-    def switch_off(self, exc: Exception, message: str) -> None:
-        """Record `exc` and log `message` (its %s: the exception) under the subclass's module's logger."""
-        self.error = f"{type(exc).__name__}: {exc}"[:500]
-        logging.getLogger(type(self).__module__).warning(message, exc)
 
 
 def _layout_for(device: torch.device) -> str:
@@ -115,11 +84,12 @@ def _convert_cpu_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-def _convert_cpu(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2], converting row blocks to bound the transient."""
+def _convert_cpu(qweight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """qweight int32 [K/8, N] -> the CPU kernel's uint8 [N, K/2], converting `chunk_rows` rows at a time (a multiple
+    of the kernel's 64-row block) to bound the int32 [rows, K] transient."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 8, 1)
     N = qweight.shape[1]
-    step = CPU_CONVERT_CHUNK_ROWS if N % 64 == 0 else N
+    step = chunk_rows if N % 64 == 0 else N
     parts = []
     for n0 in range(0, N, step):
         words = qweight[:, n0 : n0 + step]
@@ -141,13 +111,15 @@ class KernelWeight:
         self.group = group
         self.K_run = K_run
         self.N = N
-        self.N_pad = scales_and_zeros.shape[1]
+        self.N_pad = scales_and_zeros.shape[-2]  # [..., K/group, N_pad, 2]: one layer's, or a stack of experts'
 
 
 def to_kernel(
-    tensors: Mapping[str, torch.Tensor], in_features: int, device: torch.device, dtype: torch.dtype, name: str
+    tensors: Mapping[str, torch.Tensor], in_features: int, device: torch.device, dtype: torch.dtype, name: str,
+    cpu_chunk_rows: int = CPU.memory.cpu_convert_chunk_rows,
 ) -> KernelWeight:
-    """GPTQ v1 tensors of one layer -> kernel form on ``device`` (transient: the layer's codes, on ``device``)."""
+    """GPTQ v1 tensors of one layer -> kernel form on ``device`` (transient: the layer's codes, on ``device``).
+    `cpu_chunk_rows`: the profile's memory.cpu_convert_chunk_rows (the CPU layout's conversion in row blocks)."""
     layout = _layout_for(device)
     gptq = {k: tensors[k].to(device) for k in GPTQ_KEYS if k in tensors}
     K_pack, N, groups, g = gptq_v1_geometry(gptq, name)
@@ -162,7 +134,7 @@ def to_kernel(
     if layout == "cuda":
         weight = torch.ops.aten._convert_weight_to_int4pack(_cuda_codes_bytes(qweight), _inner_k_tiles(K_run))
     else:
-        weight = _convert_cpu(qweight)
+        weight = _convert_cpu(qweight, cpu_chunk_rows)
     del qweight
     s = F.pad(scales.float(), (0, N_pad - N))
     z = F.pad(zeros_int.float(), (0, N_pad - N), value=8.0)
@@ -266,149 +238,50 @@ def int4_mm(x2: torch.Tensor, weight: torch.Tensor, kernel_group: int, sz: torch
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, kernel_group, sz)
 
 
-class _Dequantizer(SwitchedKernel):
-    """``_dequantize`` as one Triton kernel on CUDA (``orin.kernels.int4_gemm.dequantize``: bandwidth-speed, where
-    the torch ops make ~8 passes over the weights), the torch ops elsewhere. A Triton failure falls back to the
-    torch ops for the rest of the process."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._checked: set[tuple] = set()
-
-    def check_cuda_layout(self, packed: torch.Tensor) -> None:
-        """Once per device and tile count: read back a converted random matrix (guards against a torch whose
-        int4pack layout differs from the one ``_codes_cuda`` and the Triton kernels read)."""
-        tiles = packed.shape[-1] * 2
-        key = (packed.device, tiles)
-        if key in self._checked:
-            return
-        K = 16 * tiles * 2
-        codes = torch.randint(0, 16, (16, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-        pairs = codes.to(torch.uint8).view(16, K // 2, 2)
-        bytes_ = (pairs[..., 0] << 4) | pairs[..., 1]
-        converted = torch.ops.aten._convert_weight_to_int4pack(bytes_.to(packed.device).contiguous(), tiles)
-        if not torch.equal(_codes_cuda(converted).cpu().int(), codes):
-            raise ModelError(
-                "this torch build's CUDA int4pack layout is not the one orin.int4pack reads; prefill cannot "
-                "dequantize INT4 weights — report the torch version"
-            )
-        self._checked.add(key)
-
-    def __call__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
-        if packed.is_cuda:
-            self.check_cuda_layout(packed)
-            if self.runs_on(packed):
-                from .kernels import int4_gemm
-
-                try:
-                    return int4_gemm.dequantize(packed, scales_and_zeros, kernel_group)
-                except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-                    self.switch_off(exc, "the Triton INT4 dequantization failed (%s); using torch ops")
-        return _dequantize(packed, scales_and_zeros, kernel_group)
+_LAYOUT_CHECKED: set[tuple] = set()
 
 
-dequantize_packed = _Dequantizer()
+def check_cuda_layout(packed: torch.Tensor) -> None:
+    """Once per device and tile count: read back a converted random matrix (guards against a torch whose int4pack
+    layout differs from the one ``_codes_cuda`` and the Triton kernels read)."""
+    tiles = packed.shape[-1] * 2
+    key = (packed.device, tiles)
+    if key in _LAYOUT_CHECKED:
+        return
+    K = 16 * tiles * 2
+    codes = torch.randint(0, 16, (16, K), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    pairs = codes.to(torch.uint8).view(16, K // 2, 2)
+    bytes_ = (pairs[..., 0] << 4) | pairs[..., 1]
+    converted = torch.ops.aten._convert_weight_to_int4pack(bytes_.to(packed.device).contiguous(), tiles)
+    if not torch.equal(_codes_cuda(converted).cpu().int(), codes):
+        raise ModelError(
+            "this torch build's CUDA int4pack layout is not the one orin.int4pack reads; prefill cannot "
+            "dequantize INT4 weights — report the torch version"
+        )
+    _LAYOUT_CHECKED.add(key)
 
 
-class _GroupedGemm(SwitchedKernel):
-    """``orin.kernels.int4_gemm.grouped_int4_mm`` where it can run (CUDA, Triton, 4 inner k-tiles); a kernel
-    failure disables it for the process and the callers fall back to dequantized chunks."""
+def dequantize_packed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
+                      triton: bool = False) -> torch.Tensor:
+    """``_dequantize``: the kernel's weight [..., N_pad, K_run] in the scales' dtype; with `triton` (a CUDA
+    device whose kernels passed their start-up check: the caller's backend says so) as one Triton kernel
+    (``orin.kernels.int4_gemm.dequantize``: bandwidth-speed, where the torch ops make ~8 passes over the
+    weights)."""
+    if packed.is_cuda:
+        check_cuda_layout(packed)
+        if triton:
+            from .kernels import int4_gemm
 
-    def usable(self, x: torch.Tensor, packed: torch.Tensor) -> bool:
-        if not self.runs_on(x):
-            return False
-        from .kernels import int4_gemm
-
-        dequantize_packed.check_cuda_layout(packed)
-        return int4_gemm.supports(packed)
-
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int,
-                 ends: torch.Tensor, max_rows: int) -> torch.Tensor:
-        """x [R, K_run] sorted by expert, its columns already in ``int4_gemm.nibble_order(packed)``."""
-        from .kernels import int4_gemm
-
-        try:
-            return int4_gemm.grouped_int4_mm(x, packed, scales_and_zeros, kernel_group, ends, max_rows,
-                                             x_ordered=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised for the caller's fallback, after switching off
-            self.switch_off(exc, "the Triton INT4 GEMM failed (%s); it is off for this process")
-            raise
-
-
-grouped_gemm = _GroupedGemm()
-
-
-class _RowCombiner(SwitchedKernel):
-    """A long prompt's MoE combine as ``orin.kernels.moe_combine.combine_block`` (no atomics) where it can run
-    (CUDA, Triton, not failed before in this process); the caller's ``index_add_`` otherwise."""
-
-    def inverse(self, order: torch.Tensor) -> torch.Tensor | None:
-        """Where each (token, choice) landed in the expert sort `order` (what the kernel looks rows up by), or
-        None where the kernel does not run."""
-        if not self.runs_on(order):
-            return None
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        return inv
-
-    def __call__(self, into: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, inv: torch.Tensor | None,
-                 lo: int, k: int) -> bool:
-        """``into[t] += weights[i] * out[i - lo, :H]`` for each token t's sorted rows i in [lo, lo + len(out))
-        (weights [T * k] in sort order, `inv` from ``inverse``); False where the kernel did not run."""
-        if inv is None or self.error is not None:
-            return False
-        from .kernels import moe_combine
-
-        try:
-            moe_combine.combine_block(into, out, weights, inv, lo, k)
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-            self.switch_off(exc, "the Triton MoE combine failed (%s); using index_add_")
-            return False
-        return True
-
-
-combine_rows = _RowCombiner()
-
-
-class _Activation(SwitchedKernel):
-    """A long prompt's MoE activation as ``orin.kernels.silu_mul.silu_mul`` (one pass over gate/up) where it can run
-    (CUDA, Triton, not failed before in this process); None tells the caller to run the torch ops."""
-
-    def __call__(self, gate_up: torch.Tensor, inter: int, k_out: int) -> torch.Tensor | None:
-        if not (self.runs_on(gate_up) and gate_up.stride(1) == 1):
-            return None
-        from .kernels import silu_mul
-
-        try:
-            return silu_mul.silu_mul(gate_up, inter, k_out)
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not stop inference
-            self.switch_off(exc, "the Triton MoE activation failed (%s); using the torch ops")
-            return None
-
-
-silu_mul_rows = _Activation()
-
-
-def kernel_errors() -> dict[str, str | None]:
-    """The Triton kernels switched off in this process, and why: {"grouped_gemm": error or None, "dequantize":
-    error or None, "moe_combine": error or None, "silu_mul": error or None}. A switched-off kernel's torch fallback
-    computes the same result, slower (the combine's: rounded per row, not once)."""
-    return {"grouped_gemm": grouped_gemm.error, "dequantize": dequantize_packed.error,
-            "moe_combine": combine_rows.error, "silu_mul": silu_mul_rows.error}
+            return int4_gemm.dequantize(packed, scales_and_zeros, kernel_group)
+    return _dequantize(packed, scales_and_zeros, kernel_group)
 
 
 __all__ = [
-    "CPU_CONVERT_CHUNK_ROWS",
     "KernelWeight",
-    "SwitchedKernel",
+    "check_cuda_layout",
     "check_device",
-    "combine_rows",
     "dequantize_packed",
-    "grouped_gemm",
     "int4_mm",
-    "kernel_errors",
-    "silu_mul_rows",
     "to_kernel",
-    "triton_available",
     "unpack_codes",
 ]

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cuda_gate import GATE
+from .device.gate import GATE
 from .fsutil import atomic_path, sha256_file
 
 log = logging.getLogger("orin.packed_cache")

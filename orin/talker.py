@@ -6,22 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import components as C
-from .decode import Decoders
+from .decode import Decoders, PrefillInputs
+from .device.profile import PrefillTuning
 from .errors import ModelError
 from .request_state import RequestState
 
 # The code predictor's sampling when the talker samples, as HF's talker calls it (top_k 50, top_p 0.8).
 CODE_TOP_K, CODE_TOP_P = 50, 0.8
-# The user turns' projections run on blocks of this many rows (see _in_blocks); a long prompt's (over
-# orin.components.LONG_PREFILL_TOKENS: a video's) on blocks of LONG_PROJECTION_ROWS, where 64-row blocks were
-# 1,200 launches and 50 ms of host time (profiled) between a 25k-token video's first token and its first audio
-# (BENCHMARKS.md, run 59v).
-PROJECTION_ROWS = 64
-LONG_PROJECTION_ROWS = 2048
 
 
-def _in_blocks(fn, x, rows: int = PROJECTION_ROWS):
+def in_blocks(fn, x, rows: int):
     """fn over x [1, n, H] in blocks of `rows` rows, the last padded: every row comes out of a GEMM of the same
     shape, so the same bits in every prompt of its class (long or not) it is part of. A conversation's next turn
     then finds its earlier turns' talker rows unchanged, and its talker prefill reads them from the cache
@@ -39,11 +33,12 @@ def _in_blocks(fn, x, rows: int = PROJECTION_ROWS):
 
 class Talker:
     def __init__(self, model, config, device, decoders: Decoders, text_embeddings: Callable, state: RequestState,
-                 prompt, thinker_hidden, on_cache: Callable[[int], None]):
+                 prompt, thinker_hidden, on_cache: Callable[[int], None], prefill: PrefillTuning):
         """`prompt`: the request's orin.prompt.Prompt; thinker_hidden: the thinker prefill's
         `accept_hidden_layer` states [1, T, H]. The thinker's input embeddings the talker reads are its text
         rows' only, which are the embedding table's rows of their tokens (`text_embeddings`): no copy of a long
-        prompt's input embeddings is recorded for it."""
+        prompt's input embeddings is recorded for it. `prefill`: the device profile's, for the projections'
+        block rows."""
         self.model, self.config, self.device = model, config, device
         self.decoders = decoders
         self.text_embeddings = text_embeddings
@@ -51,6 +46,7 @@ class Talker:
         self.prompt = prompt
         self.thinker_hidden = thinker_hidden
         self.on_cache = on_cache
+        self.tuning = prefill
         self.step_index = 0
         self.finished = False
         self.generated: list[int] = []
@@ -88,12 +84,14 @@ class Talker:
                            dtype=t.codec_head.weight.dtype)
         mm_rows = torch.nonzero(mm).flatten().to(self.device)
         text_rows = torch.nonzero(~mm).flatten().to(self.device)
-        block = LONG_PROJECTION_ROWS if seq_len > C.LONG_PREFILL_TOKENS else PROJECTION_ROWS
+        # A long prompt's (a video's) projections on larger blocks: 64-row ones are over a thousand launches there.
+        tune = self.tuning
+        block = tune.long_projection_rows if seq_len > tune.long_prefill_tokens else tune.projection_rows
         if mm_rows.numel():
-            full.index_copy_(1, mm_rows, _in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows),
-                                                    block))
+            full.index_copy_(1, mm_rows, in_blocks(t.hidden_projection, self.thinker_hidden.index_select(1, mm_rows),
+                                                   block))
         text_ids = host_ids[~mm].view(1, -1).to(self.device)
-        full.index_copy_(1, text_rows, _in_blocks(t.text_projection, self.text_embeddings(text_ids), block))
+        full.index_copy_(1, text_rows, in_blocks(t.text_projection, self.text_embeddings(text_ids), block))
         return full.index_select(1, user_rows.to(self.device)), host_ids[user_rows]
 
     def _assistant_part(self, host_ids, a_start: int, speaker_id: int, bos, pad):
@@ -138,9 +136,10 @@ class Talker:
                                            video_grid_thw=self.prompt.video_grids or None,
                                            video_second_per_grid=self.prompt.video_seconds or None,
                                            audio_lengths=self.prompt.audio_lengths or None)
-        res = self.decoder.prefill(embeds[0], positions.to(self.device), int(embeds.shape[1]) + req.frame_cap + 2,
-                                   rope_delta=int(delta.reshape(-1)[0]), graph=graph,
-                                   continues=req.continues)
+        res = self.decoder.prefill(PrefillInputs(embeds[0], positions.to(self.device),
+                                                 int(embeds.shape[1]) + req.frame_cap + 2,
+                                                 rope_delta=int(delta.reshape(-1)[0])),
+                                   graph=graph, continues=req.continues)
         self._after_forward(res.logits, res.hidden)
 
     def _after_forward(self, logits, hidden) -> None:

@@ -7,20 +7,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .decode import Decoders
+from .decode import Decoders, PrefillInputs
+from .device.profile import DeviceProfile
 from .errors import ModelError
-
-AUDIO_TOKEN_CACHE_BYTES = 32 << 20  # ~100 six-second turns of a conversation at the real encoder's width
 
 
 class AudioTokenCache:
     """The audio encoder's tokens of recent audios, keyed by a digest of their samples (Prompt.audio_keys), least
-    recently used dropped first past AUDIO_TOKEN_CACHE_BYTES. The same audio in another turn's batch finds its
+    recently used dropped first past `limit` bytes (the profile's memory.audio_token_cache_bytes). The same audio in another turn's batch finds its
     tokens; they were computed from its features in that batch, which differ in the last frames (the batch's
     padding reaches the STFT windows past an audio's end) and in rounding on a GPU: the encoder's result up to
     that."""
 
-    def __init__(self, limit: int = AUDIO_TOKEN_CACHE_BYTES):
+    def __init__(self, limit: int):
         self.limit = limit
         self._items: OrderedDict[bytes, object] = OrderedDict()
         self._bytes = 0
@@ -49,15 +48,16 @@ class AudioTokenCache:
 
 
 class Thinker:
-    def __init__(self, model, config, device, dtype, decoders: Decoders):
+    def __init__(self, model, config, device, dtype, decoders: Decoders, profile: DeviceProfile):
         from .encoder_graphs import EncoderGraphs
         from .positions import thinker_spec
 
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.decoders = decoders
+        self.profile = profile
         self.spec = thinker_spec(config.raw)
-        self.encoder_graphs = EncoderGraphs(device)
-        self.audio_tokens = AudioTokenCache()
+        self.encoder_graphs = EncoderGraphs(device, profile.capture)
+        self.audio_tokens = AudioTokenCache(profile.memory.audio_token_cache_bytes)
 
     def encode_audio(self, inputs: dict, prompt, graph: bool = False):
         """The audio encoder's tokens [n, H] of every audio of the prompt, in order; the feature lengths come
@@ -107,19 +107,19 @@ class Thinker:
     def encode_video(self, prompt):
         """orin.vision_encoder.VisionFeatures of every video of the prompt, videos one after another. The
         encoder attends within each temporal grid only, so a clip goes through it a few grids at a time
-        (orin.plan.video_passes: orin.components.VIDEO_ENCODE_PATCHES patches at most, whole grids) with the
+        (orin.request_sizes.video_passes: the profile's prefill.video_encode_patches patches at most, whole grids) with the
         same result (up to the GEMMs' rounding), each pass's pixel values patchified from the clip's frames when
         the pass runs (prompt.video_pixels): the activations and pixel values alive are those of a few frames
         however long the clip. No CUDA graph: a clip's shape rarely comes again."""
         import torch
 
-        from .plan import video_passes
+        from .request_sizes import video_passes
         from .vision_encoder import VisionFeatures
 
         visual = self.model.thinker.model.visual
         lazy, grids = prompt.video_pixels, prompt.video_grids
         embeds, deepstack = [], []
-        for v, first, last in video_passes(grids):
+        for v, first, last in video_passes(grids, self.profile.prefill.video_encode_patches):
             grid = (last - first, grids[v][1], grids[v][2])
             pixels = lazy.patches(v, first, last, self.device).to(self.dtype)
             out = visual(pixels, visual.plan((grid,), self.device))
@@ -173,8 +173,8 @@ class Thinker:
         talker = self.config.talker_config
         record = (talker.accept_hidden_layer,) if talker is not None else ()
         dec = self.decoders.thinker
-        out = dec.prefill(embeds[0], position_ids, max_len, record=record, visual=visual, rope_delta=delta,
-                          graph=graph, continues=continues)
+        out = dec.prefill(PrefillInputs(embeds[0], position_ids, max_len, record, visual, delta), graph=graph,
+                          continues=continues)
         return dec, out.states, out.logits
 
     @staticmethod
@@ -258,4 +258,19 @@ class Detokenizer:
         return delta
 
 
-__all__ = ["Detokenizer", "TextEmbeddings", "Thinker"]
+
+
+def next_turn_rows(config, tokenizer, prompt, answer: list[int]) -> int:
+    """The rows a conversation's next turn will likely prefill after this prompt's: this answer as the next prompt
+    holds it (its text tokenized again: the tokens a model samples are not always those its tokenizer gives the
+    text, and a random model's decode to bytes that tokenize six times longer), its end-of-turn tokens
+    (<|im_end|>, a newline), then a user turn as long as this prompt's last one (from its <|im_start|> to the end,
+    the assistant's header included)."""
+    ids = prompt.input_ids.reshape(-1).tolist()
+    starts = [i for i, t in enumerate(ids) if t == config.im_start_token_id]
+    question = len(ids) - (starts[-2] if len(starts) > 1 else 0)
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    return len(tokenizer.encode(text)) + 2 + question
+
+
+__all__ = ["Detokenizer", "TextEmbeddings", "Thinker", "next_turn_rows"]

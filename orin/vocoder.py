@@ -6,44 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from . import components as C
 from .contract import AudioChunk
+from .device.profile import SpeechTuning
 from .request_state import RequestState
 
 
-def chunk_frames(done: int) -> int:
-    """The frames of the chunk after the first `done`: CODE2WAV_FIRST_CHUNK, then as many as all the chunks
-    before it (1, 1, 2, 4, ... would wait twice for one frame: 1, 2, 4, 8, 16, 32, 32, ...), up to
-    CODE2WAV_CHUNK. Fixed by `done` alone, so a reply's chunks and their shapes never depend on timing, and a
-    handful of shapes recur in every reply (each replayed from its own graph)."""
-    return C.CODE2WAV_FIRST_CHUNK if done == 0 else min(C.CODE2WAV_CHUNK, done + C.CODE2WAV_FIRST_CHUNK)
-
-
-def chunk_count(frames: int) -> int:
-    """How many chunks code2wav decodes `frames` codec frames in."""
-    done = chunks = 0
-    while done < frames:
-        done += chunk_frames(done)
-        chunks += 1
-    return chunks
-
-
-def every_shape_frames() -> int:
-    """The fewest codec frames whose chunks meet every recurring shape: the growing chunks, then one frame of
-    a whole one (padded to its shape as a last chunk). A warm-up that speaks this many leaves no shape for a
-    client's reply to meet first (run without graphs: eagerly, ~1,000 launches, up to 137 ms a chunk)."""
-    done = 0
-    while chunk_frames(done) < C.CODE2WAV_CHUNK:
-        done += chunk_frames(done)
-    return done + 1
-
-
 class Vocoder:
-    def __init__(self, model, device, state: RequestState, make_resident: Callable[[], None], graphs, measure):
+    def __init__(self, model, device, state: RequestState, make_resident: Callable[[], None], graphs, measure,
+                 speech: SpeechTuning):
         """`make_resident()` stages code2wav (the engine's residency); `graphs`: an orin.encoder_graphs
         EncoderGraphs where code2wav's weights stay put (all-resident), else None; `measure(stage)` is the power
-        meter's stage context."""
+        meter's stage context; `speech`: the device profile's chunk schedule."""
         self.model, self.device = model, device
+        self.speech = speech
         self.graphs = graphs
         self.state = state
         self.make_resident = make_resident
@@ -57,12 +32,12 @@ class Vocoder:
 
         self.frames.extend(frames)
         while True:
-            want = chunk_frames(self.done)
+            want = self.speech.chunk_frames(self.done)
             available = len(self.frames) - self.done
             if available <= 0 or (available < want and not final):
                 return
             end = self.done + min(want, available)
-            ctx = min(C.CODE2WAV_LEFT_CONTEXT, self.done)
+            ctx = min(self.speech.code2wav_left_context, self.done)
             self.make_resident()
             codes = torch.stack(self.frames[self.done - ctx:end], dim=1).unsqueeze(0).to(self.device)
             c2w = self.model.code2wav

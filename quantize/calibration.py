@@ -20,7 +20,7 @@ needs representative activations, not full length. A video calibrates the vision
 two frames each and, with its soundtrack, the audio encoder and the thinker on audio tokens interleaved with the
 video's (transformers' ``use_audio_in_video=True``); the videos of one conversation either all keep their
 soundtracks or none does. Video conversations are encoded by orin.inputs' processor (transformers' needs
-torchvision for video), the others by transformers' (orin.processor).
+torchvision for video), the others by transformers' (quantize.hf_processor).
 
 One bad conversation never ends a run: one the processor cannot encode (a 600x2 banner image, a few
 milliseconds of audio), or one the BF16 model fails on or gives an empty reply for in a pass, is skipped with a
@@ -417,7 +417,7 @@ def holdout_count(samples: int) -> int:
 
 def to_samples(processor, convs: list[Conversation], device, skips: Skips, video_processor=None) -> list[Sample]:
     """The conversations the processor can encode, as model inputs (none held out yet: see hold_out); the others
-    are skipped. `processor` is transformers' (orin.processor), which has no video processor; conversations with
+    are skipped. `processor` is transformers' (quantize.hf_processor), which has no video processor; conversations with
     videos go through `video_processor` (orin.inputs.Processor: the same tensors, videos included)."""
     if video_processor is None and any(c.videos for c in convs):
         raise ValueError("to_samples: conversations with videos need a video_processor (orin.inputs.Processor)")

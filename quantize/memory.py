@@ -189,8 +189,8 @@ def reply_bytes(config, tokens: int, reply_tokens: int) -> int:
 
 def speech_working_set(config, tokens: int, settings, decode_audio: bool) -> int:
     """Bytes one speech-pass conversation of `tokens` tokens works in at its largest, beside the reply it keeps
-    (Sizes.per_reply), as quantize/capture.py runs it (grouped_mm experts in every prefill, a prefill's logits at
-    its last position only): the largest of its thinker prefill (thinker_prefill_bytes), its talker side
+    (Sizes.per_reply), as quantize/speech_capture.py runs it (grouped_mm experts in every prefill, a prefill's
+    logits at its last position only): the largest of its thinker prefill (thinker_prefill_bytes), its talker side
     (talker_side_bytes) and, when code2wav is calibrated (decode_audio), code2wav's decode of its speech: ~10
     bytes per channel and output sample of the last upsampling stage (1.84 MB a frame at the real widths, 1.70
     MB measured on the CPU), CODE2WAV_CHUNK frames at most."""

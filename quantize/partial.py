@@ -147,7 +147,8 @@ class PartialState:
         """The saved pass state, if it holds every stack in `stacks` and the references asked for. (Which other
         stacks were captured beside them changes nothing in theirs: a run resumed for its last segment reads the
         passes of the run that did them all.)"""
-        from .capture import TalkerSequence, ThinkerOutputs
+        from .capture import ThinkerOutputs
+        from .speech_capture import TalkerSequence
 
         root = self.root / "passes"
         info = _read_json(root / "info.json")

@@ -1,7 +1,7 @@
 """The BF16 model in bounded memory: a skeleton of transformers' model whose parameters live on the meta device,
 filled one module at a time from the checkpoint's safetensors files and emptied again.
 
-The skeleton is `Qwen3OmniMoeForConditionalGeneration` built under orin.loader.params_on_meta: its buffers
+The skeleton is `Qwen3OmniMoeForConditionalGeneration` built under orin.skeleton.params_on_meta: its buffers
 (rotary frequencies, code2wav's code offsets) are real and equal to what from_pretrained gives, its parameters
 are shapes only. `Residency.load(prefix)` reads the module's tensors from the source checkpoint (hub names mapped
 to transformers 5.23's, per-expert weights stacked into the fused expert tensors, floats cast to BF16 as
@@ -31,7 +31,7 @@ def build_skeleton(config) -> nn.Module:
     """transformers' model for `config` with every parameter on meta (BF16) and every buffer real."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.loader import params_on_meta
+    from orin.skeleton import params_on_meta
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # what from_pretrained(dtype=bfloat16) builds the modules under

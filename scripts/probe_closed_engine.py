@@ -19,10 +19,11 @@ import time
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from orin.devtools.bench_config import BenchConfig, bench_request, free, make_inputs  # noqa: E402
-from orin.devtools.bench_engine import _load_all, open_engine, profile_request, run_time_sliced, stream_request  # noqa: E402
-from orin.devtools.bench_kernels import decode_timings, prefill_timings  # noqa: E402
-from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
+from devtools.bench_config import BenchConfig, bench_request, free, make_inputs  # noqa: E402
+from devtools.bench_engine import _load_all, open_engine, profile_request, run_time_sliced, stream_request  # noqa: E402
+from devtools.bench_kernels import decode_timings, prefill_timings  # noqa: E402
+from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
+from orin.engine import EngineConfig  # noqa: E402
 from orin.units import parse_bytes  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
@@ -60,7 +61,7 @@ if not os.path.exists(ck):
     say("write", round(time.perf_counter() - t, 1))
 free("cuda")
 held("start")
-cfg = BenchConfig(config=CONFIG, synthetic=True, device="cuda", power_backend="none")
+cfg = BenchConfig(engine=EngineConfig(model_dir="", device="cuda", power_backend="none"), config=CONFIG, synthetic=True)
 inputs = make_inputs(cfg)
 
 

@@ -19,9 +19,10 @@ ROOT = os.getcwd()
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from orin.devtools.bench_config import BenchConfig, bench_request, free, make_video_cases  # noqa: E402
-from orin.devtools.bench_engine import _load_all, open_engine, stream_request, warm_chunks  # noqa: E402
-from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
+from devtools.bench_config import BenchConfig, bench_request, free, make_video_cases  # noqa: E402
+from devtools.bench_engine import _load_all, open_engine, stream_request, warm_chunks  # noqa: E402
+from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
+from orin.engine import EngineConfig  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
 ck = os.environ.get("PROFILE_CKPT", "/tmp/probe/ckpt")
@@ -45,14 +46,14 @@ if not os.path.exists(ck):
     t = time.perf_counter()
     write_synthetic_checkpoint(SyntheticConfig(config=CONFIG, out=ck, device="cuda", seed=0))
     say("write", round(time.perf_counter() - t, 1))
-cfg = BenchConfig(config=CONFIG, synthetic=True, device="cuda", power_backend="none",
+cfg = BenchConfig(engine=EngineConfig(model_dir="", device="cuda", power_backend="none"), config=CONFIG, synthetic=True,
                   video_seconds=float(os.environ.get("PROBE_SECONDS", "120")),
                   video_fps=(float(os.environ.get("PROBE_FPS", "2")),))
 case = make_video_cases(cfg)[0]
 engine = open_engine(cfg, ck, None, False)
 _load_all(engine)
 t = time.perf_counter()
-stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks())
+stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks(engine))
 say("warm-up", round(time.perf_counter() - t, 1))
 free("cuda")
 

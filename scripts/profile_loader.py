@@ -17,9 +17,9 @@ import time
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
+from devtools.bench_storage import storage_bandwidth  # noqa: E402
+from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
 from orin.checkpoint import Checkpoint  # noqa: E402
-from orin.devtools.bench_storage import storage_bandwidth  # noqa: E402
-from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
 from orin.loader import Loader  # noqa: E402
 from orin.packed_cache import PackedCache  # noqa: E402
 
@@ -117,6 +117,7 @@ def phases(piece: str, reps: int = 3) -> dict:
     import orin.int4_experts as i4e
     import orin.loader as ld
     import orin.packed_cache as pc
+    import orin.unit_reader as ur
     import orin.weight_arena as wa
 
     spent: dict = {}
@@ -138,7 +139,7 @@ def phases(piece: str, reps: int = 3) -> dict:
     for owner, name in ((pc.PackedCache, "find"), (br.BlockReader, "__init__"), (br.BlockReader, "read"),
                         (br.BlockReader, "_read_host"), (br.BlockReader, "_read_streamed"), (br._Lane, "settle"),
                         (br._Lane, "take"), (br._Lane, "new_block"), (br._Lane, "copy"), (wa.CudaVmm, "map"),
-                        (ld.Loader, "_load_packed"), (ld.Loader, "_load_units"), (ld.Loader, "_keep_module"),
+                        (ur.UnitReader, "_load_packed"), (ld.Loader, "_load_units"), (ur.UnitReader, "_keep_module"),
                         (ld.Loader, "_cap"), (ld.Loader, "_trim"), (wa.UnitArena, "begin"),
                         (i4.Int4Linear, "load_packed_"), (i4e.Int4Experts, "load_packed_"), (br, "_cut")):
         timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")

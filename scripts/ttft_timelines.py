@@ -8,8 +8,8 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
-from orin.devtools.bench_config import BenchConfig, bench_request, make_inputs
-from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
+from devtools.bench_config import BenchConfig, bench_request, make_inputs
+from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
 from orin.engine import Engine, EngineConfig
 
 out = os.environ.get("OUT", "/tmp")

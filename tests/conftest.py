@@ -116,21 +116,51 @@ def engine(quantized_dir):
     eng.close()
 
 
+@pytest.fixture(scope="session")
+def graph_engine(quantized_dir):
+    """A CPU engine on the quantized tiny model whose prefills take the graph path as on CUDA (the profile's
+    capture.cpu_graph_path: padded to buckets, one "graph" per key, run eagerly) with a server's deferred
+    captures: the bookkeeping CUDA replays, checked on CPU."""
+    from dataclasses import replace
+
+    from orin.device.profile import CPU
+    from orin.engine import Engine, EngineConfig
+
+    profile = replace(CPU, capture=replace(CPU.capture, cpu_graph_path=True))
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", profile=profile))
+    eng.defer_captures(True)
+    yield eng
+    eng.close()
+
+
 @pytest.fixture()
-def decoder(engine, monkeypatch):
-    """The shared tiny engine's thinker decoder, taking the graph path (padded to buckets, graphs kept per key)
-    as on CUDA, its deferral on (a server's); restored afterwards."""
-    engine.loader.ensure("thinker_text")
-    dec = engine.decoders.thinker
-    monkeypatch.setattr(dec, "_graphs_for", lambda rows: True)
-    monkeypatch.setattr(dec, "defer", True)
-    dec.release()
-    dec._wanted.clear()
-    dec._last_rows = dec._growth = 0
-    yield dec
-    dec.release()
-    dec._wanted.clear()
-    dec._stepped_by = None
+def make_decoder(graph_engine):
+    """`make_decoder(prefill=None, **capture)`: a fresh thinker decoder on the graph engine's weights, its
+    deferral on (a server's), the graph engine's profile with these prefill and capture numbers."""
+    from dataclasses import replace
+
+    from orin.decode import StaticDecoder
+
+    graph_engine.loader.ensure("thinker_text")
+    thinker, base, made = graph_engine.model.thinker, graph_engine.profile, []
+
+    def make(prefill: dict | None = None, **capture) -> StaticDecoder:
+        profile = replace(base, capture=replace(base.capture, **capture),
+                          prefill=replace(base.prefill, **(prefill or {})))
+        dec = StaticDecoder(thinker.model.language_model, thinker.lm_head, graph_engine.device, profile)
+        dec.policy.defer = True
+        made.append(dec)
+        return dec
+
+    yield make
+    for dec in made:
+        dec.release()
+
+
+@pytest.fixture()
+def decoder(make_decoder):
+    """A fresh thinker decoder taking the graph path with deferred captures (make_decoder's)."""
+    return make_decoder()
 
 
 # --------------------------------------------------------------------------- real hardware (`device` marker)
@@ -191,10 +221,11 @@ def server(engine, quantized_dir):
     at server_kit.SPEECH_S (the tiny model's random talker never ends its speech on its own)."""
     from server_kit import SPEECH_S
 
+    from orin.engine import EngineConfig
     from orin.serve.app import ServeConfig, Server
 
-    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=True,
-                             max_speech_seconds=SPEECH_S), engine=engine).start()
+    srv = Server(ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0,
+                             warmup=True, max_speech_seconds=SPEECH_S), engine=engine).start()
     yield srv
     srv.stop()
 
@@ -207,7 +238,7 @@ def server(engine, quantized_dir):
 
 ROOT = Path(__file__).resolve().parent.parent
 # Workstation-side modules: transformers-backed by design (quantize, the HF reference, the tests' oracle).
-WORKSTATION = ("orin/processor.py", "orin/modelcfg.py", "orin/devtools/", "quantize/")
+WORKSTATION = ("devtools/", "quantize/")
 NO_TRANSFORMERS = importlib.util.find_spec("transformers") is None
 
 

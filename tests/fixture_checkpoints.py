@@ -39,7 +39,7 @@ def one_torch_thread():
 
 
 def write_tiny(out: Path) -> None:
-    from orin.devtools.tiny import TinyModelConfig, write_tiny_model
+    from devtools.tiny import TinyModelConfig, write_tiny_model
 
     write_tiny_model(TinyModelConfig(out=str(out), seed=0))
 
@@ -53,7 +53,7 @@ def write_quantized(model_dir: Path, out: Path) -> None:
 
 
 def write_synthetic(out: Path) -> None:
-    from orin.devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
+    from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
 
     write_synthetic_checkpoint(SyntheticConfig(config="tiny", out=str(out), device="cpu", seed=3))
 

@@ -22,8 +22,9 @@ def real_meta_trees(real_config: str, section: str, hf_class, our_class):
     """The real config's `thinker_config.<section>` encoder on meta: transformers' (the oracle), ours built under
     the loader's params_on_meta (its skeleton) and ours built with device="meta", and transformers' parameter
     shapes and dtypes by name."""
-    from orin.loader import params_on_meta
-    from orin.modelcfg import load_config, read_config_dict
+    from orin.modelcfg import read_config_dict
+    from orin.skeleton import params_on_meta
+    from quantize.hf_config import load_config
 
     with params_on_meta():
         hf = hf_class(getattr(load_config(real_config).thinker_config, section))
@@ -57,7 +58,7 @@ def random_state(model: torch.nn.Module, seed: int, matrix_scale: float = 0.5) -
 
 
 def hf_prompt_inputs(hf_processor, messages, device: str = "cpu") -> dict:
-    """A request's messages through transformers' processor (orin.processor.build_processor), as the engine
+    """A request's messages through transformers' processor (quantize.hf_processor.build_processor), as the engine
     prepared them before it had its own processor: the oracle for orin.inputs and the positions."""
     from orin.inputs.prompt import split_media
 
@@ -76,8 +77,8 @@ def hf_twin(model, model_dir):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from orin.int4 import Int4Experts, Int4Linear
-    from orin.loader import params_on_meta
-    from orin.modelcfg import load_config
+    from orin.skeleton import params_on_meta
+    from quantize.hf_config import load_config
 
     with params_on_meta():
         hf = Qwen3OmniMoeForConditionalGeneration(load_config(model_dir))

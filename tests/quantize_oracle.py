@@ -23,21 +23,18 @@ from quantize.activations import Placement, StackData
 from quantize.capture import (
     _THINKER_FIRST_LAYER,
     _THINKER_NEEDS,
-    SpeechSettings,
     ThinkerOutputs,
     _first_layer_calls,
     encoder_outputs,
-    generate_speech,
     record_first_calls,
     record_kwargs,
-    speech_commit,
-    talker_codes,
 )
 from quantize.gptq import GPTQSolver, resolve_solver
 from quantize.progress import Progress
 from quantize.report import codec_metrics, encoder_metric, logits_metrics
 from quantize.sequential import StackOptions, StackQuantizer
 from quantize.skips import PassRunner, Skips
+from quantize.speech_capture import SpeechSettings, generate_speech, speech_commit, talker_codes
 
 
 def run_thinker(model, inputs: dict) -> ThinkerOutputs:
@@ -127,9 +124,9 @@ def quantize_in_memory(model_dir: str, cfg) -> dict:
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from orin.inputs.processor import Processor
-    from orin.modelcfg import load_config
-    from orin.processor import build_processor
     from quantize.calibration import builtin_conversations, hold_out, to_samples
+    from quantize.hf_config import load_config
+    from quantize.hf_processor import build_processor
 
     device = torch.device(cfg.device)
     log = Progress(False, stream=io.StringIO())

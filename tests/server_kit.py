@@ -15,6 +15,7 @@ import numpy as np
 import openai
 from PIL import Image
 
+from orin.engine import EngineConfig
 from orin.media import encode_wav, synth_image, synth_speechlike
 from orin.serve.app import ServeConfig, Server
 from orin.serve.metrics import parse_metrics
@@ -27,8 +28,8 @@ SPEECH_S = 0.8
 
 
 def start_server(engine, quantized_dir, hook=None, **overrides) -> Server:
-    cfg = ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
-                      max_speech_seconds=SPEECH_S, **overrides)
+    cfg = ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0,
+                      warmup=False, max_speech_seconds=SPEECH_S, **overrides)
     return Server(cfg, engine=engine, hook=hook).start()
 
 

@@ -14,7 +14,8 @@ from module_oracle import assert_same_tree, checkpoint_state, random_state, real
 from orin.audio_encoder import AudioEncoder
 from orin.audio_format import audio_token_count
 from orin.errors import InputError
-from orin.modelcfg import load_config, read_config_dict
+from orin.modelcfg import read_config_dict
+from quantize.hf_config import load_config
 
 ATOL = 1e-5
 PREFIX = "thinker.audio_tower."

@@ -14,7 +14,7 @@ def test_synthetic_checkpoint_is_a_verified_quantized_checkpoint(synthetic_dir):
     from orin.checkpoint import Checkpoint
     from orin.layout import QuantSpec, find_targets
     from orin.manifest import read_manifest
-    from orin.plan import meta_model
+    from orin.model_sizes import meta_model
 
     ckpt = Checkpoint.open(synthetic_dir, verify=True)  # every file's size and sha256 against the manifest
     targets = find_targets(meta_model(ckpt.config), QuantSpec())
@@ -31,7 +31,7 @@ def test_synthetic_checkpoint_is_a_verified_quantized_checkpoint(synthetic_dir):
 
 
 def test_stacked_random_experts_are_valid_gptq():
-    from orin.devtools.synthetic import random_experts_gptq
+    from devtools.synthetic import random_experts_gptq
     from orin.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, gptq_v1_geometry
 
     gen = torch.Generator().manual_seed(0)
@@ -68,7 +68,7 @@ def test_safetensors_stream_matches_the_plan_and_hash(tmp_path):
 
 
 def test_synthetic_tokenizer_covers_the_real_vocabulary(real_config):
-    from orin.devtools.synthetic import config_dict, synthetic_tokenizer, token_ids
+    from devtools.synthetic import config_dict, synthetic_tokenizer, token_ids
 
     data = config_dict(real_config)
     tok = synthetic_tokenizer(data)
@@ -137,7 +137,7 @@ def test_bench_runs_every_side_and_writes_json(tmp_path):
 
 
 def test_compile_settings_parse():
-    from orin.devtools.bench import parse_compile
+    from devtools.bench import parse_compile
     from orin.errors import UsageError
 
     assert parse_compile("off,on") == (False, True) and parse_compile(" ON ") == (True,)
@@ -147,7 +147,7 @@ def test_compile_settings_parse():
 
 
 def test_bench_refuses_ambiguous_sources():
-    from orin.devtools.bench import BenchConfig, run_bench
+    from devtools.bench import BenchConfig, run_bench
     from orin.errors import UsageError
 
     with pytest.raises(UsageError, match="either --synthetic"):
@@ -161,7 +161,7 @@ def test_active_bytes_at_real_dimensions(real_config, tmp_path):
     a speech frame reads the talker once and the BF16 code predictor 15 times (more than a text token)."""
     import shutil
 
-    from orin.devtools.bench_projection import active_bytes, orin_projection
+    from devtools.bench_projection import active_bytes, orin_projection
     from orin.model_config import load_omni_config
 
     act = active_bytes(load_omni_config(real_config))
@@ -177,7 +177,7 @@ def test_active_bytes_at_real_dimensions(real_config, tmp_path):
 
 
 def test_ttft_target_compares_medians_of_all_samples():
-    from orin.devtools.bench_report import evaluate_targets, ttft_stats
+    from devtools.bench_report import evaluate_targets, ttft_stats
 
     ours = {"decode_tokens_per_s": 200.0, **ttft_stats(0.30, [0.10, 0.11, 0.12]), "ttft_s": 0.30}
     hf = {"decode_tokens_per_s": 15.0, **ttft_stats(0.12, [0.125, 0.13, 0.12]), "ttft_s": 0.12}
@@ -276,7 +276,7 @@ def test_bench_realtime_case(tmp_path):
 
 
 def test_video_options_are_checked():
-    from orin.devtools.bench import BenchConfig, run_bench
+    from devtools.bench import BenchConfig, run_bench
     from orin.errors import UsageError
 
     with pytest.raises(UsageError, match="multiple of 32"):
@@ -293,8 +293,8 @@ def test_video_case_at_real_dimensions(real_config, tmp_path):
     estimates of each compute-bound stage."""
     import shutil
 
-    from orin.devtools.bench_config import BenchConfig, make_video_cases
-    from orin.devtools.bench_projection import gpu_flops_ratio, video_flops, video_projection
+    from devtools.bench_config import BenchConfig, make_video_cases
+    from devtools.bench_projection import gpu_flops_ratio, video_flops, video_projection
     from orin.model_config import load_omni_config
 
     (case,) = make_video_cases(BenchConfig(video_seconds=120, video_fps=(2.0,)))

@@ -8,8 +8,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orin.block_reader import MAX_GAP, BlockReader, tensor_index
+from orin.block_reader import BlockReader, tensor_index
+from orin.device.profile import MemoryTuning
 from orin.errors import ModelError
+
+MAX_GAP = MemoryTuning().max_read_gap
 
 
 @pytest.fixture()
@@ -116,31 +119,27 @@ def test_a_read_can_read_ahead_in_another_file_and_an_unused_read_ahead_is_dropp
     other.drop_ahead()  # nothing to drop
 
 
-def test_spans_larger_than_a_staging_buffer_and_reads_ahead_while_copying(checkpoint, monkeypatch):
-    """A span over STAGE bytes is read piece by piece through the two staging buffers; `then` starts the next
-    read before this one's copy is waited for: the tensors are the same."""
-    from orin import block_reader
-
+def test_spans_larger_than_a_staging_buffer_and_reads_ahead_while_copying(checkpoint):
+    """A span over a staging buffer's bytes is read piece by piece through the two staging buffers; `then` starts
+    the next read before this one's copy is waited for: the tensors are the same."""
     path, tensors = checkpoint
-    monkeypatch.setattr(block_reader, "STAGE", 40)  # b.qweight alone is 512 bytes: 13 pieces
-    reader = BlockReader(path, torch.device("cpu"))
+    # b.qweight alone is 512 bytes: 13 pieces
+    reader = BlockReader(path, torch.device("cpu"), MemoryTuning(stage_bytes=40))
     got = reader.read(["b.qweight", "c.scales"], then=["e.weight"])
     assert torch.equal(got["b.qweight"], tensors["b.qweight"]) and torch.equal(got["c.scales"], tensors["c.scales"])
     assert reader._ahead is None  # e.weight's 48 bytes exceed the buffer: read when asked, not ahead
     assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
-    monkeypatch.setattr(block_reader, "STAGE", 64 << 20)
+    reader = BlockReader(path, torch.device("cpu"), MemoryTuning(stage_bytes=64 << 20))
     reader.read(["a.odd"], then=["e.weight"])
     assert reader._ahead is not None and reader._ahead[0] == frozenset(["e.weight"])
     assert torch.equal(reader.read(["e.weight"])["e.weight"], tensors["e.weight"])
 
 
-def test_a_span_read_in_parallel_pieces_is_the_same_and_a_short_file_named(checkpoint, monkeypatch):
-    import orin.block_reader as B
-
+def test_a_span_read_in_parallel_pieces_is_the_same_and_a_short_file_named(checkpoint):
     path, tensors = checkpoint
-    monkeypatch.setattr(B, "READ_PIECE", 4000)  # every span in many odd-sized pieces, on the reading threads
-    got = BlockReader(path, torch.device("cpu")).read(list(tensors))
+    pieces = MemoryTuning(read_piece=4000)  # every span in many odd-sized pieces, on the reading threads
+    got = BlockReader(path, torch.device("cpu"), pieces).read(list(tensors))
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     path.write_bytes(path.read_bytes()[:-300])
     with pytest.raises(ModelError, match="truncated"):
-        BlockReader(path, torch.device("cpu")).read(list(tensors))
+        BlockReader(path, torch.device("cpu"), pieces).read(list(tensors))

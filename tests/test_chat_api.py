@@ -16,6 +16,7 @@ from PIL import Image
 from orin.contract import Report
 from orin.errors import BudgetError, InputError, ModelError
 from orin.media import encode_pcm16, encode_wav, synth_image, synth_tone
+from orin.serve.chat_request import generation_request, parse_chat
 from orin.serve.protocol import (
     ApiError,
     Limits,
@@ -23,8 +24,6 @@ from orin.serve.protocol import (
     check_model,
     chunk,
     completion_body,
-    generation_request,
-    parse_chat,
     parse_json,
     sse,
     text_delta,
@@ -32,6 +31,7 @@ from orin.serve.protocol import (
 )
 
 LIMITS = Limits(max_audio_seconds=5.0, max_image_pixels=10_000)
+VOICES = ("aiden", "chelsie", "ethan")  # the tiny model's talker speakers
 
 
 def _png(size=(32, 24)) -> str:
@@ -49,7 +49,7 @@ def _user(*parts) -> dict:
 
 
 def _parse(data: dict, limits: Limits = LIMITS):
-    return parse_chat(data, limits, random_seed=lambda: 7)
+    return parse_chat(data, limits, VOICES, random_seed=lambda: 7)
 
 
 def _bad(data: dict, fragment: str, status: int = 400, limits: Limits = LIMITS):
@@ -269,6 +269,24 @@ def test_generation_request_from_a_chat_request():
     plain = generation_request(_parse(_user({"type": "text", "text": "x"})))
     assert not plain.speech and plain.max_audio_frames is None and plain.voice == "ethan"  # the engine's default
 
+
+def test_one_voice_parser_for_every_api():
+    """The chat's audio.voice, /v1/audio/speech's voice and the Realtime session's voice: a name in any case or an
+    object with its id, checked against the talker's speakers, a refusal naming the field."""
+    from orin.serve.voice import VoiceError, parse_voice
+
+    assert parse_voice("Chelsie", "voice", VOICES) == parse_voice({"id": " chelsie"}, "audio.voice", VOICES) == "chelsie"
+    assert parse_voice(None, "voice", VOICES) is None and parse_voice({}, "voice", VOICES) is None
+    for bad in ("alloy", "", 3):
+        with pytest.raises(VoiceError) as info:
+            parse_voice(bad, "session.audio.output.voice", VOICES)
+        assert info.value.param == "session.audio.output.voice" and "aiden, chelsie, ethan" in str(info.value)
+    with pytest.raises(VoiceError, match="no talker voices"):
+        parse_voice("ethan", "voice", ())
+    err = to_api_error(VoiceError("unknown voice 'alloy'", "audio.voice"))
+    assert (err.status, err.param, err.code) == (400, "audio.voice", "unsupported_voice")
+    _bad({**_user({"type": "text", "text": "x"}), "modalities": ["text", "audio"], "audio": {"voice": "alloy"}},
+         "unknown voice 'alloy' in 'audio.voice'")
 
 def test_finish_reason_and_errors_map_to_the_api():
     ids = ("chatcmpl-1", "audio_1", 1700000000)

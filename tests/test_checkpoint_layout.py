@@ -36,7 +36,7 @@ def test_the_tiny_checkpoint_on_disk_uses_exactly_the_hub_names(tiny_model_dir):
     parameter of the runtime model and back to itself."""
     from safetensors import safe_open
 
-    from orin.devtools.tiny import build_tiny_model
+    from devtools.tiny import build_tiny_model
 
     runtime = dict(build_tiny_model(0).named_parameters())
     with safe_open(f"{tiny_model_dir}/model.safetensors", framework="pt") as f:
@@ -106,8 +106,8 @@ def published_style_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_a_published_gptq_checkpoint_loads_with_experts_fused_at_load_time(published_style_dir, caplog):
+    from devtools.tiny import build_tiny_model
     from orin.checkpoint import Checkpoint
-    from orin.devtools.tiny import build_tiny_model
     from orin.gptq_format import dequantize_gptq_v1, quantize_rtn
     from orin.loader import Loader
 

@@ -8,10 +8,12 @@ import pytest
 import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state
 
-from orin import components as C
 from orin.code2wav import Code2Wav
-from orin.modelcfg import load_config, read_config_dict
-from orin.vocoder import chunk_count, chunk_frames, every_shape_frames
+from orin.device.profile import CPU
+from orin.modelcfg import read_config_dict
+from quantize.hf_config import load_config
+
+SPEECH = CPU.speech  # the chunk schedule (every profile's today)
 
 ATOL = 1e-5
 PREFIX = "code2wav."
@@ -48,12 +50,12 @@ def random_codes(frames: int, seed: int, quantizers: int = 4, codebook: int = 64
 
 
 def vocoder_schedule(model, codes: torch.Tensor) -> torch.Tensor:
-    """orin/vocoder.py's chunking: chunks of chunk_frames(done) frames, each with up to LEFT_CONTEXT frames before
-    it, whose samples are cut off the front."""
+    """orin/vocoder.py's chunking: chunks of SPEECH.chunk_frames(done) frames, each with up to LEFT_CONTEXT
+    frames before it, whose samples are cut off the front."""
     wavs, done, frames = [], 0, codes.shape[-1]
     while done < frames:
-        end = min(done + chunk_frames(done), frames)
-        ctx = min(C.CODE2WAV_LEFT_CONTEXT, done)
+        end = min(done + SPEECH.chunk_frames(done), frames)
+        ctx = min(SPEECH.code2wav_left_context, done)
         wavs.append(model(codes[..., done - ctx:end])[..., ctx * int(model.total_upsample):])
         done = end
     return torch.cat(wavs, dim=-1)
@@ -75,8 +77,8 @@ def test_state_dicts_load_strictly_both_ways(tiny_model_dir):
     assert ours.total_upsample == int(hf.total_upsample) == 1920
 
 
-FRAMES = (1, C.CODE2WAV_FIRST_CHUNK, C.CODE2WAV_FIRST_CHUNK + C.CODE2WAV_LEFT_CONTEXT, C.CODE2WAV_CHUNK,
-          C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT, WINDOW_PLUS_ONE, 200)
+FRAMES = (1, SPEECH.code2wav_first_chunk, SPEECH.code2wav_first_chunk + SPEECH.code2wav_left_context, SPEECH.code2wav_chunk,
+          SPEECH.code2wav_chunk + SPEECH.code2wav_left_context, WINDOW_PLUS_ONE, 200)
 
 
 @pytest.mark.parametrize("weights", ["checkpoint", "random"])
@@ -96,49 +98,47 @@ def test_forward_matches_transformers(tiny_pair, weights):
 
 def test_chunked_decode_matches_transformers(tiny_pair):
     ours, hf, _ = tiny_pair["random"]
-    codes = random_codes(2 * C.CODE2WAV_CHUNK + WINDOW_PLUS_ONE, seed=11)
+    codes = random_codes(2 * SPEECH.code2wav_chunk + WINDOW_PLUS_ONE, seed=11)
     with torch.no_grad():
-        for chunk, ctx in ((C.CODE2WAV_CHUNK, C.CODE2WAV_LEFT_CONTEXT), (100, 25), (WINDOW_PLUS_ONE, 40)):
+        for chunk, ctx in ((SPEECH.code2wav_chunk, SPEECH.code2wav_left_context), (100, 25), (WINDOW_PLUS_ONE, 40)):
             expected = hf.chunked_decode(codes, chunk_size=chunk, left_context_size=ctx)
             torch.testing.assert_close(ours.chunked_decode(codes, chunk, ctx), expected, atol=ATOL, rtol=0)
         expected = vocoder_schedule(hf, codes)
         torch.testing.assert_close(vocoder_schedule(ours, codes), expected, atol=ATOL, rtol=0)
         # left context matters: without it the second chunk's samples differ
-        cut = C.CODE2WAV_FIRST_CHUNK * ours.total_upsample
-        bare = ours(codes[..., C.CODE2WAV_FIRST_CHUNK:C.CODE2WAV_FIRST_CHUNK + C.CODE2WAV_CHUNK])
+        cut = SPEECH.code2wav_first_chunk * ours.total_upsample
+        bare = ours(codes[..., SPEECH.code2wav_first_chunk:SPEECH.code2wav_first_chunk + SPEECH.code2wav_chunk])
         assert not torch.allclose(bare[..., :1000], expected[..., cut:cut + 1000], atol=1e-3)
 
 
 def test_chunk_schedule_doubles_to_a_few_recurring_shapes():
-    from orin.encoder_graphs import GRAPHS_KEPT
-
     sizes, done = [], 0
     while done < 200:
-        sizes.append(chunk_frames(done))
+        sizes.append(SPEECH.chunk_frames(done))
         done += sizes[-1]
     # the first packet waits for one frame; each chunk is as long as all before it, so it is ready before they
     # have played (a frame is 80 ms of audio, a few tens of ms of talker steps)
     assert sizes == [1, 2, 4, 8, 16] + [32] * 6 and sum(sizes) >= 200
     shapes, done = set(), 0
     for size in sizes:
-        shapes.add(size + min(C.CODE2WAV_LEFT_CONTEXT, done))
+        shapes.add(size + min(SPEECH.code2wav_left_context, done))
         done += size
-    assert shapes == {1, 3, 7, 15, 31, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
-    assert len(shapes) <= GRAPHS_KEPT  # every shape keeps its graph
-    assert [chunk_count(n) for n in (1, 2, 3, 4, 63, 64, 95, 96)] == [1, 2, 2, 3, 6, 7, 7, 8]
+    assert shapes == {1, 3, 7, 15, 31, SPEECH.code2wav_chunk + SPEECH.code2wav_left_context}
+    assert len(shapes) <= CPU.capture.encoder_graphs  # every shape keeps its graph
+    assert [SPEECH.chunk_count(n) for n in (1, 2, 3, 4, 63, 64, 95, 96)] == [1, 2, 2, 3, 6, 7, 7, 8]
     # a warm-up speaking every_shape_frames meets them all (the server's, the benchmark's)
-    assert every_shape_frames() == 32 and _recurring_shapes(every_shape_frames()) == shapes
-    assert _recurring_shapes(every_shape_frames() - 1) != shapes
+    assert SPEECH.every_shape_frames() == 32 and _recurring_shapes(SPEECH.every_shape_frames()) == shapes
+    assert _recurring_shapes(SPEECH.every_shape_frames() - 1) != shapes
 
 
 def test_tables_and_masks_are_cached_per_length(tiny_pair):
     ours = tiny_pair["random"][0]
     pre = ours.pre_transformer
-    ours.prepare(C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT)
+    ours.prepare(SPEECH.code2wav_chunk + SPEECH.code2wav_left_context)
     ours.prepare(WINDOW_PLUS_ONE)
     cos, sin = pre.rotary_emb.tables(WINDOW_PLUS_ONE, torch.device("cpu"), torch.float32)
     assert pre.rotary_emb.tables(WINDOW_PLUS_ONE, torch.device("cpu"), torch.float32)[0] is cos
-    assert pre.mask(C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT, torch.device("cpu")) is None  # plain causal
+    assert pre.mask(SPEECH.code2wav_chunk + SPEECH.code2wav_left_context, torch.device("cpu")) is None  # plain causal
     mask = pre.mask(WINDOW_PLUS_ONE, torch.device("cpu"))
     assert mask is pre.mask(WINDOW_PLUS_ONE, torch.device("cpu"))
     assert mask[-1].sum() == pre.window and not mask[-1, 0] and mask[-1, -1] and not mask[0, 1]
@@ -154,7 +154,7 @@ def test_codes_of_the_wrong_shape_are_refused(tiny_pair):
 def test_real_config_tree_on_meta(real_config):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-    from orin.loader import params_on_meta
+    from orin.skeleton import params_on_meta
 
     with params_on_meta():
         hf = Qwen3OmniMoeCode2Wav(load_config(real_config).code2wav_config)
@@ -172,13 +172,13 @@ def test_real_config_tree_on_meta(real_config):
 def _recurring_shapes(frames: int) -> set[int]:
     shapes, done = set(), 0
     while done < frames:
-        shapes.add(chunk_frames(done) + min(C.CODE2WAV_LEFT_CONTEXT, done))
-        done += chunk_frames(done)
+        shapes.add(SPEECH.chunk_frames(done) + min(SPEECH.code2wav_left_context, done))
+        done += SPEECH.chunk_frames(done)
     return shapes
 
 
 # a chunk cut short at each place in the schedule: the second chunk, the fourth, the first whole-size one, a later
-@pytest.mark.parametrize("frames", [1, 2, 5, C.CODE2WAV_CHUNK + 10, 3 * C.CODE2WAV_CHUNK + 5])
+@pytest.mark.parametrize("frames", [1, 2, 5, SPEECH.code2wav_chunk + 10, 3 * SPEECH.code2wav_chunk + 5])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, graphs):
     """The vocoder's last chunk, and a reply shorter than the first chunks, go through code2wav padded to the
@@ -199,7 +199,8 @@ def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, 
     hook = ours.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-1]))
     state = RequestState(GenerationRequest(messages=({"role": "user", "content": "hi"},)), None)
     vocoder = Vocoder(SimpleNamespace(code2wav=ours), torch.device("cpu"), state, lambda: None,
-                      EncoderGraphs(torch.device("cpu")) if graphs else None, lambda _stage: nullcontext())
+                      EncoderGraphs(torch.device("cpu"), CPU.capture) if graphs else None, lambda _stage: nullcontext(),
+                      SPEECH)
     try:
         with torch.no_grad():
             chunks = list(vocoder.feed(list(codes[0].unbind(-1)), final=True))
@@ -211,5 +212,5 @@ def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, 
     assert got.shape[0] == expected.shape[-1]
     torch.testing.assert_close(got, expected.reshape(-1).float(), atol=ATOL, rtol=0)
     assert set(seen_by_vocoder) == _recurring_shapes(frames)
-    assert set(seen_by_vocoder) <= {1, 3, 7, 15, 31, C.CODE2WAV_CHUNK + C.CODE2WAV_LEFT_CONTEXT}
+    assert set(seen_by_vocoder) <= {1, 3, 7, 15, 31, SPEECH.code2wav_chunk + SPEECH.code2wav_left_context}
     assert sum(len(c.frames) for c in chunks) == frames

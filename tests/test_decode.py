@@ -34,7 +34,7 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
     falls into loops that would hide position errors)."""
     from transformers import DynamicCache
 
-    from orin.decode import StaticDecoder
+    from orin.decode import PrefillInputs, StaticDecoder
 
     engine = synthetic_engine
     engine.loader.ensure("thinker_text")
@@ -47,9 +47,9 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
         cache = DynamicCache(config=lm.config)
         model.thinker.model.rope_deltas = None
         model.thinker.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True)
-        dec = StaticDecoder(own, engine.model.thinker.lm_head, torch.device("cpu"))
+        dec = StaticDecoder(own, engine.model.thinker.lm_head, torch.device("cpu"), engine.profile)
         positions = torch.arange(20).view(1, 1, -1).expand(3, 1, -1)
-        dec.prefill(lm.embed_tokens(ids)[0], positions, 40)
+        dec.prefill(PrefillInputs(lm.embed_tokens(ids)[0], positions, 40))
         assert dec.max_len % 64 == 0 and dec.length == 20
         for token in torch.randint(0, 256, (12,), generator=gen).tolist():
             fast = dec.step(token)
@@ -90,6 +90,8 @@ def test_fast_prefill_matches_the_hf_prefill(synthetic_engine):
     and values, and the decode steps that follow; unpadded and padded to a bucket as the CUDA graphs are."""
     from transformers import DynamicCache
 
+    from orin.decode import PrefillInputs
+
     engine = synthetic_engine
     prompt = engine.prepare(_speech_request())
     for comp in ("audio_encoder", "vision_encoder", "thinker_text"):
@@ -117,8 +119,8 @@ def test_fast_prefill_matches_the_hf_prefill(synthetic_engine):
             thinker.model.rope_deltas = torch.tensor([[delta]])  # HF's decode steps continue from it
             embeds, positions, delta, visual = engine.thinker.merge(inputs, prompt, audio, image)
             fast = engine.decoders.thinker
-            res = fast.prefill(embeds[0], positions, n + 8, record=(0, accept), visual=visual, rope_delta=delta,
-                               bucket=bucket)
+            res = fast.prefill(PrefillInputs(embeds[0], positions, n + 8, record=(0, accept), visual=visual,
+                                             rope_delta=delta, bucket=bucket))
             assert fast.length == n and fast.max_len >= n + 8
             assert float((res.logits - ref_logits).norm() / ref_logits.norm()) < 1e-5
             for i in (0, accept):
@@ -168,15 +170,15 @@ def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("gemms", [True, False])
-def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms, monkeypatch):
+def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms):
     """A decode step's (and the code predictor's) attention: the new keys and values written at their
     positions, then two GEMMs over the whole static cache with the unwritten positions masked, equal to SDPA's
     with the same mask; positions past the mask never count."""
     import torch.nn.functional as F
 
-    import orin.decoder_layer as dl
+    import orin.attention as dl
 
-    monkeypatch.setattr(dl, "FEW_ROWS_SDPA_MAX_KEYS", 0 if gemms else 4096)
+    sdpa_max_keys = 0 if gemms else 4096  # the profile's attention.few_rows_sdpa_max_keys
     gen = torch.Generator().manual_seed(3)
     kv, rep, hd, L, upto = 2, 4, 16, 40, 23
     q = torch.randn((kv, rep * rows, hd), generator=gen)
@@ -185,12 +187,13 @@ def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms, monkey
     k_new, v_new = torch.randn((kv, rows, hd), generator=gen), torch.randn((kv, rows, hd), generator=gen)
     pos = torch.arange(upto + 1 - rows, upto + 1)
     mask = (torch.arange(L) <= upto).view(1, 1, L).expand(1, rep * rows, L)
-    got = dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25)
+    got = dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25, sdpa_max_keys)
     assert torch.equal(k_cache[0, :, pos], k_new) and torch.equal(v_cache[0, :, pos], v_new)
     want = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache, v_cache, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
     k_cache[:, :, upto + 1:] = 1e4  # garbage past the mask
-    torch.testing.assert_close(dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25), got)
+    torch.testing.assert_close(dl._attend_few(q, k_new, v_new, pos, k_cache, v_cache, mask[0], 0.25, sdpa_max_keys),
+                               got)
 
 
 def test_whole_prompt_attention_equals_the_chunks(engine):
@@ -200,11 +203,12 @@ def test_whole_prompt_attention_equals_the_chunks(engine):
     cache's stale positions (NaN here) never read into a real row."""
     from torch.nn.attention import SDPBackend
 
-    import orin.decoder_layer as dl
+    import orin.attention as dl
+    from orin.decoder_layer import layer_weights
 
     engine.loader.ensure("thinker_text")
     layer = engine.model.thinker.model.language_model.layers[0]
-    spec, w = dl.layer_weights(layer, torch.device("cpu"))
+    spec, w = layer_weights(layer, torch.device("cpu"), engine.profile)
     dtype = w["ln1"].dtype
     gen = torch.Generator().manual_seed(8)
     T, chunk, cache = 300, 128, 1100  # three chunks, the last a short one; padded to 1,024 rows
@@ -234,7 +238,7 @@ def test_rms_norm_is_hfs_bit_for_bit_whole_and_by_rows(dtype):
     exactly; a long prompt's rows normed a chunk at a time (its last chunk short) give the same rows."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
 
-    import orin.decoder_layer as dl
+    import orin.attention as dl
 
     gen = torch.Generator().manual_seed(3)
     norm = Qwen3OmniMoeThinkerTextRMSNorm(256, eps=1e-6).to(dtype)

@@ -115,7 +115,7 @@ def test_good_setup_passes_and_reads_the_installed_unit(quantized_dir, tmp_path)
 
 
 def test_broken_setup_fails_with_the_fixes(quantized_dir, tmp_path):
-    roots = board(tmp_path, ina3221=False, available=100 << 20)
+    roots = board(tmp_path, ina3221=False, available=4 << 20)  # under the tiny request's CPU peak (~14 MiB)
     model = tmp_path / "model"
     bad_file = corrupt_copy(quantized_dir, model)
     result = run_doctor(DoctorConfig(model_dir=str(model), user=ME, device="cpu", **roots))

@@ -75,6 +75,13 @@ def test_image_audio_text_with_speech(engine):
             "first_audio"} <= set(timeline)
     assert timeline["first_token"] == pytest.approx(report.ttft_s, abs=1e-3)
     assert timeline["first_audio"] == pytest.approx(report.first_audio_s, abs=1e-3)
+    # the named routes it took, each chosen once: the profile and MoE backend at start, the prefills' by their route
+    from orin.prefill_route import PrefillRoute
+
+    routes = report.routes
+    assert routes["profile"] == engine.profile.name == "cpu" and routes["moe"] == "cpu"
+    assert PrefillRoute(routes["prefill"]) and PrefillRoute(routes["talker_prefill"])
+    assert f"prefill_{routes['prefill']}" in timeline and report.to_json()["routes"] == dict(routes)
 
 
 def test_first_audio_waits_for_no_second_thinker_token(engine, monkeypatch):

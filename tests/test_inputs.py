@@ -1,4 +1,4 @@
-"""orin.inputs (orin-omni's own processor) against transformers' (orin.processor, the oracle) on the tiny
+"""orin.inputs (orin-omni's own processor) against transformers' (quantize.hf_processor, the oracle) on the tiny
 checkpoint: the same rendered prompt, the same ids, the same features and patches (to 1e-5), grids and masks."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ QWEN_LIKE_TEMPLATE = """\
 
 
 def _hf_processor(model_dir):
-    from orin.processor import build_processor
+    from quantize.hf_processor import build_processor
 
     return build_processor(model_dir)
 
@@ -227,7 +227,7 @@ def _hf_from_values(model_dir: Path, values: dict, template: str):
     from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from orin.processor import _processor_class
+    from quantize.hf_processor import _processor_class
 
     image_keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean",
                   "image_std")
@@ -259,7 +259,7 @@ def test_released_preprocessor_values_match_transformers(tiny_model_dir, tmp_pat
 
 
 def test_chat_template_rendering_matches_transformers(tiny_model_dir, tmp_path):
-    from orin.processor import make_processor
+    from quantize.hf_processor import make_processor
 
     model_dir = _copy_checkpoint(tiny_model_dir, tmp_path / "qwen_like")
     (model_dir / "chat_template.jinja").write_text(QWEN_LIKE_TEMPLATE)
@@ -283,7 +283,7 @@ def test_chat_template_rendering_matches_transformers(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("home", ["chat_template.json", "tokenizer_config.json"])
 def test_chat_template_from_its_other_homes(tiny_model_dir, tmp_path, home):
-    from orin.processor import make_processor
+    from quantize.hf_processor import make_processor
 
     model_dir = _copy_checkpoint(tiny_model_dir, tmp_path / "other", skip=("chat_template.jinja",))
     data = json.loads((model_dir / home).read_text()) if (model_dir / home).exists() else {}

@@ -112,9 +112,9 @@ SCRIPT = textwrap.dedent('''
         assert not got[:, inter:].any()
 
     # the long attention's per-head norm and rotary embedding, written into a strided [heads, T, hd] view (a
-    # queries' buffer or KV cache slice), against decoder_layer's torch ops; heads not a power of two. float32
+    # queries' buffer or KV cache slice), against orin.attention's torch ops; heads not a power of two. float32
     # only: the interpreter rounds to bfloat16 wrongly (tests/test_device_kernels.py checks bfloat16 on a GPU)
-    from orin.decoder_layer import _rms, _rope
+    from orin.attention import _rms, _rope
     for dtype, tol in [(torch.float32, 1e-5)]:
         T, heads, hd = 7, 3, 16
         y = torch.randn(T, heads * hd + 4, generator=gen).to(dtype)[:, :heads * hd].view(T, heads, hd)

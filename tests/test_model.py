@@ -17,7 +17,7 @@ from orin.model_config import omni_config
 def _hf(data):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import fix_config, new_config
+    from quantize.hf_config import fix_config, new_config
 
     return Qwen3OmniMoeForConditionalGeneration(fix_config(new_config(data)))
 
@@ -25,7 +25,7 @@ def _hf(data):
 @pytest.mark.parametrize("which", ["tiny", "real"])
 def test_the_tree_has_transformers_names_and_shapes(which, real_config):
     pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
-    from orin.devtools.tiny import tiny_config_dict
+    from devtools.tiny import tiny_config_dict
 
     data = tiny_config_dict() if which == "tiny" else json.loads(open(real_config).read())
     with torch.device("meta"):
@@ -38,7 +38,7 @@ def test_the_tree_has_transformers_names_and_shapes(which, real_config):
 
 def test_config_values_are_transformers_values(real_config):
     pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     ours, theirs = omni_config(json.loads(open(real_config).read())), load_config(real_config)
     for section in ("thinker_config.text_config", "talker_config.text_config",
@@ -61,7 +61,7 @@ def test_config_values_are_transformers_values(real_config):
 
 def test_rotary_router_and_experts_compute_what_transformers_computes():
     pytest.importorskip("transformers", reason="transformers not installed (compat env): the HF oracle")
-    from orin.devtools.tiny import tiny_config_dict
+    from devtools.tiny import tiny_config_dict
 
     torch.manual_seed(0)
     own, hf = OmniModel(omni_config(tiny_config_dict())), _hf(tiny_config_dict())
@@ -93,7 +93,7 @@ def test_rotary_router_and_experts_compute_what_transformers_computes():
     (lambda d: d["thinker_config"].update(text_config=[1, 2]), "must be an object"),
 ])
 def test_bad_configs_are_refused_naming_the_key(edit, message):
-    from orin.devtools.tiny import tiny_config_dict
+    from devtools.tiny import tiny_config_dict
 
     data = tiny_config_dict()
     edit(data)
@@ -102,7 +102,7 @@ def test_bad_configs_are_refused_naming_the_key(edit, message):
 
 
 def test_without_audio_output_there_is_no_talker():
-    from orin.devtools.tiny import tiny_config_dict
+    from devtools.tiny import tiny_config_dict
 
     data = {**tiny_config_dict(), "enable_audio_output": False}
     with torch.device("meta"):

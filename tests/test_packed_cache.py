@@ -164,7 +164,7 @@ def test_a_refused_copy_drops_its_read_ahead_at_once(quantized_dir, tmp_path, re
     that follow: their reads take the staging buffer it was filling. The unit's buffers are the conversion's."""
     import dataclasses
 
-    from orin.loader import Loader
+    from orin.unit_reader import UnitReader
 
     buffers, _ = reference
     _served(quantized_dir, tmp_path / "cache")  # writes the copies
@@ -177,7 +177,7 @@ def test_a_refused_copy_drops_its_read_ahead_at_once(quantized_dir, tmp_path, re
         return hit
 
     refused = []
-    load_packed = Loader._load_packed
+    load_packed = UnitReader._load_packed
 
     def spy(self, unit, hit, shells, got, blocks, batches, after):
         ahead = blocks._ahead is not None
@@ -187,7 +187,7 @@ def test_a_refused_copy_drops_its_read_ahead_at_once(quantized_dir, tmp_path, re
         return ok
 
     monkeypatch.setattr(P.PackedCache, "find", refuse_second)
-    monkeypatch.setattr(Loader, "_load_packed", spy)
+    monkeypatch.setattr(UnitReader, "_load_packed", spy)
     eng = _engine(quantized_dir, tmp_path / "cache", budget=1 << 40)
     try:
         eng.loader.ensure("thinker_text")

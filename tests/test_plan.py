@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from orin.cli import cli
 from orin.layout import gptq_v1_bytes
-from orin.plan import PlanConfig, audio_tokens, make_plan
+from orin.plan import PlanConfig, make_plan
+from orin.request_sizes import audio_tokens
 
 
 def _thinker_text_params(t: dict) -> int:
@@ -109,7 +110,7 @@ def test_tiny_model_plan(tiny_model_dir):
     # The tiny vision MLP's fc2 is 200 wide and stays BF16, like the real 4304-wide one.
     assert result["padded_layers"] == []
     assert result["request"]["tokens"]["audio"] == audio_tokens(3, 50) == 39
-    from orin.devtools.tiny import build_tiny_model
+    from devtools.tiny import build_tiny_model
 
     model = build_tiny_model(0)
     assert result["total_params"] == sum(p.numel() for p in model.parameters())

@@ -26,7 +26,7 @@ def hf(tiny_model_dir):
     fix-up the engine applies (orin.modelcfg)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     config = load_config(tiny_model_dir)
     with torch.device("meta"):
@@ -41,7 +41,7 @@ def config_json(tiny_model_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir):
-    from orin.processor import build_processor
+    from quantize.hf_processor import build_processor
 
     return build_processor(tiny_model_dir)
 
@@ -283,7 +283,7 @@ def test_videos_images_and_audio_together(hf, config_json, processor):
 
 
 def test_specs_read_what_hf_reads(real_config):
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     data = json.loads(Path(real_config).read_text())
     hf_cfg = load_config(real_config)

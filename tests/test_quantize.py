@@ -29,7 +29,7 @@ SPEECH_SHORT = {"reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 4, "
 
 def _targets(model_dir, spec: QuantSpec | None = None):
     from orin.model_config import load_omni_config
-    from orin.plan import meta_model
+    from orin.model_sizes import meta_model
 
     return find_targets(meta_model(load_omni_config(model_dir)), spec or QuantSpec())
 
@@ -113,7 +113,7 @@ def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
     orientation and expert slicing are right."""
     from safetensors import safe_open
 
-    from orin.devtools.tiny import build_tiny_model
+    from devtools.tiny import build_tiny_model
     from orin.hub_names import to_hub
 
     model = build_tiny_model(0).to(torch.bfloat16)

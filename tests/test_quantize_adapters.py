@@ -66,7 +66,7 @@ def test_tiny_model_layout_matches_the_adapters(tiny_model_dir):
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     with torch.device("meta"):  # quantize runs transformers' modules: the adapters are checked against them
         model = Qwen3OmniMoeForConditionalGeneration(load_config(tiny_model_dir))
@@ -96,7 +96,7 @@ def test_tiny_model_layout_matches_the_adapters(tiny_model_dir):
 def test_expert_slices_are_views_into_the_fused_tensors():
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as M
 
-    from orin.devtools.tiny import tiny_config_dict
+    from devtools.tiny import tiny_config_dict
 
     cfg = M.Qwen3OmniMoeConfig(**tiny_config_dict()).thinker_config.text_config
     experts = M.Qwen3OmniMoeThinkerTextExperts(cfg)
@@ -115,7 +115,7 @@ def test_expert_slices_are_views_into_the_fused_tensors():
 
 def test_group_size_checks(tiny_model_dir):
     from orin.model_config import load_omni_config
-    from orin.plan import meta_model
+    from orin.model_sizes import meta_model
 
     targets = find_targets(meta_model(load_omni_config(tiny_model_dir)), QuantSpec())
     A.check_group_size(targets, 128, 4)  # vision linear_fc2 (200 wide) is the designed padded exception
@@ -135,7 +135,7 @@ def test_real_model_layout_matches_the_adapters(real_config):
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(load_config(real_config))

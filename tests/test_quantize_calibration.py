@@ -86,7 +86,7 @@ def test_unencodable_conversations_are_skipped_before_the_held_out_split():
     held-out split is drawn from the conversations that remain."""
     from PIL import Image
 
-    from orin.devtools.tiny import build_processor
+    from devtools.tiny import build_processor
 
     banner = Conversation("calib.jsonl:7", [{"role": "user", "content": [{"type": "image"},
                                                                         {"type": "text", "text": "?"}]}],

@@ -18,15 +18,14 @@ import pytest
 import torch
 from allocations import Allocations
 
-from orin.devtools.tiny import build_processor
+from devtools.tiny import build_processor
 from orin.layout import QuantSpec, find_targets
-from orin.modelcfg import load_config
-from quantize import capture as C
+from quantize import speech_capture as C
 from quantize.activations import Placement, StackData
 from quantize.calibration import Conversation, builtin_conversations, to_samples
-from quantize.capture import SpeechSettings, SpeechStreaming, capture_speech_pass
 from quantize.gate import LayerGate
 from quantize.gptq_solve import BATCH_BYTES, batch_size, working_bytes
+from quantize.hf_config import load_config
 from quantize.memory import (
     DEVICE_MARGIN,
     THREAD_WORKSPACE,
@@ -39,6 +38,7 @@ from quantize.memory import (
 )
 from quantize.progress import Progress
 from quantize.skips import PassRunner, Skips
+from quantize.speech_capture import SpeechSettings, SpeechStreaming, capture_speech_pass
 from quantize.weights import Residency, SourceWeights, build_skeleton, module_bytes
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

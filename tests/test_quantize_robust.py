@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 from orin.cli import cli
 from quantize.calibration import builtin_conversations, to_samples
-from quantize.capture import SpeechSettings, generate_speech, keep_results
 from quantize.pipeline import QuantConfig, render_result, run_quantize
 from quantize.progress import Progress
 from quantize.report import load_report
 from quantize.skips import Skips, TooFewConversations, UnusableConversation
+from quantize.speech_capture import SpeechSettings, generate_speech, keep_results
 
 SPEECH = SpeechSettings(reply_tokens=3, speech_frames=4, min_speech_frames=0)
 SHORT = {"samples": 6, "reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 0, "device": "cpu",
@@ -70,7 +70,7 @@ def test_progress_on_a_terminal_is_a_bar_with_the_time_left():
 def _load(model_dir):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(model_dir), config=load_config(model_dir),
                                                                 dtype=torch.bfloat16).eval()
@@ -95,7 +95,7 @@ def _first_token(model, sample, part: str) -> int:
 
 
 def _samples(n: int):
-    from orin.devtools.tiny import build_processor
+    from devtools.tiny import build_processor
 
     return {s.name: s for s in to_samples(build_processor(), builtin_conversations(n), torch.device("cpu"),
                                           Skips(print))}
@@ -106,7 +106,7 @@ def silent_variant(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model, edited so that for builtin:2 the thinker ends its reply at once (im_end's lm_head row
     outscores the token it would say first) and for builtin:5 (the held-out one of six) the talker emits its
     codec EOS at the first step."""
-    from orin.devtools.tiny import TOKEN_IDS
+    from devtools.tiny import TOKEN_IDS
 
     out = tmp_path_factory.mktemp("silent") / "model"
     shutil.copytree(tiny_model_dir, out)

@@ -164,10 +164,10 @@ def test_memory_plan_at_the_real_dimensions(real_config):
     activations off the GPU for long conversations (to disk when host memory is short too), and refuses limits
     below what the run needs at least, naming the option."""
     from orin.layout import QuantSpec, find_targets
-    from orin.modelcfg import load_config
     from quantize import adapters as A
-    from quantize.capture import SpeechSettings
+    from quantize.hf_config import load_config
     from quantize.memory import DEFAULT_MAX_GPU_MEMORY, DEFAULT_MAX_HOST_MEMORY, make_plan, measure
+    from quantize.speech_capture import SpeechSettings
     from quantize.weights import build_skeleton
 
     config = load_config(real_config)
@@ -259,9 +259,9 @@ def test_a_resumed_stack_estimates_the_time_left_from_this_run_only():
 def test_synthetic_bf16_checkpoint_has_the_hub_layout_at_the_real_widths(real_config):
     """What `orin-omni synthetic-bf16` plans for the real config with 2 thinker layers is, name by name, what
     transformers' model for that config loads: hub names, one BF16 weight per expert and projection."""
-    from orin.devtools.synthetic_bf16 import bf16_config, plan_tensors
+    from devtools.synthetic_bf16 import bf16_config, plan_tensors
     from orin.hub_names import expert_part, to_runtime
-    from orin.modelcfg import fix_config, new_config
+    from quantize.hf_config import fix_config, new_config
     from quantize.weights import build_skeleton
 
     data = bf16_config(real_config, 2)
@@ -285,7 +285,7 @@ def test_synthetic_bf16_checkpoint_has_the_hub_layout_at_the_real_widths(real_co
 
 def test_synthetic_bf16_checkpoint_is_quantized(tmp_path):
     """The tiny config written with one thinker layer in shards of 1 MiB quantizes end to end."""
-    from orin.devtools.synthetic_bf16 import SyntheticBF16Config, write_synthetic_bf16
+    from devtools.synthetic_bf16 import SyntheticBF16Config, write_synthetic_bf16
 
     src = write_synthetic_bf16(SyntheticBF16Config(config="tiny", out=str(tmp_path / "bf16"), thinker_layers=1,
                                                    device="cpu", shard_bytes=1 << 20))

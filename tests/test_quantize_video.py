@@ -124,7 +124,7 @@ def test_builtin_set_has_short_videos_with_their_soundtracks():
 
 
 def test_video_conversations_are_encoded_with_audio_in_video(tiny_model_dir):
-    from orin.devtools.tiny import build_processor
+    from devtools.tiny import build_processor
     from orin.inputs.processor import Processor
 
     convs = builtin_conversations(8)

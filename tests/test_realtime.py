@@ -23,7 +23,6 @@ import websockets.sync.client as ws_client
 from speech_kit import pcm16, silence, speak
 from websockets.exceptions import ConnectionClosed
 
-from orin.components import CODE2WAV_FIRST_CHUNK
 from orin.contract import GenerationRequest
 from orin.media import synth_image
 from orin.realtime.audio import Upsampler, decode, g711_table
@@ -230,9 +229,9 @@ def test_truncate_keeps_the_transcript_of_what_was_heard(srv, engine):
         conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=total_ms + 50)
         error = rt.until(conn, "error")
         assert error.error.param == "audio_end_ms"
-        # The first audio chunk is code2wav's first chunk of codec frames (orin.components.CODE2WAV_FIRST_CHUNK),
-        # which speak as many first tokens.
-        first_frames = CODE2WAV_FIRST_CHUNK
+        # The first audio chunk is code2wav's first chunk of codec frames (the engine profile's schedule), which
+        # speak as many first tokens.
+        first_frames = engine.profile.speech.code2wav_first_chunk
         conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=first_ms)
         truncated = rt.until(conn, "conversation.item.truncated")
         assert (truncated.item_id, truncated.content_index, truncated.audio_end_ms) == (item_id, 0, first_ms)
@@ -290,7 +289,7 @@ def test_image_and_audio_content_in_a_created_item(srv, engine):
         assert [c.type for c in added.item.content] == ["input_image", "input_audio", "input_text"]
         done = rt.respond(conn)
     details = done.response.usage.input_token_details
-    counter = TokenCounter(engine.processor)
+    counter = TokenCounter(engine)
     assert details.image_tokens == counter.image_tokens(synth_image(64, seed=3)) > 0
     assert details.audio_tokens == counter.audio_tokens(math.ceil(audio.size * 2 / 3)) > 0
 
@@ -333,7 +332,7 @@ def test_the_next_response_reads_the_answer_before_it(srv, engine):
 
 
 def test_token_counts_match_the_engines_prompt(engine):
-    counter = TokenCounter(engine.processor)
+    counter = TokenCounter(engine)
     audio = speak(QUESTION, 16000)
     items = [Item("a", "user", [Part("input_text", text="Look and listen."), Part("input_image",
                                                                                    image=synth_image(80, seed=1)),
@@ -350,7 +349,7 @@ def test_token_counts_match_the_engines_prompt(engine):
 
 
 def test_the_oldest_items_are_dropped_to_fit_the_context(engine, quantized_dir):
-    counter = TokenCounter(engine.processor)
+    counter = TokenCounter(engine)
     text = "Item {}: " + "word " * 8
     per_item = counter.count(Item("x", "user", [Part("input_text", text=text.format(0))])).tokens
     context = counter.generation_prompt + 3 * per_item + per_item // 2 + 4  # room for three items and the answer

@@ -15,6 +15,7 @@ import openai
 import pytest
 import server_kit as kit
 
+from orin.engine import EngineConfig
 from orin.serve.app import ServeConfig, Server
 
 # --------------------------------------------------------------------------- systemd: notify, watchdog, SIGTERM
@@ -40,7 +41,8 @@ def test_watchdog_pings_stop_while_a_request_is_stuck(engine, quantized_dir, tmp
         return out
 
     hook = kit.Holder()
-    cfg = ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False, stall_s=0.3)
+    cfg = ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0, warmup=False,
+                      stall_s=0.3)
     srv = Server(cfg, engine=engine, hook=hook, notifier=Notifier(socket_path=path, watchdog_s=0.05)).start()
     results: list = []
     try:

@@ -10,18 +10,20 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from orin.checks.check import FAIL, PASS, SKIP, Check
 from orin.checks.smoke import (
-    FAIL,
-    PASS,
-    SKIP,
     VIDEO_CASE,
-    Answer,
-    Check,
     HttpTarget,
     Inputs,
     SmokeConfig,
-    SmokeRequestError,
     SmokeResult,
+    render_table,
+    run_smoke,
+    video_prompt_tokens,
+)
+from orin.checks.smoke_checks import (
+    Answer,
+    SmokeRequestError,
     check_peak,
     check_power,
     check_prompt_tokens,
@@ -29,16 +31,16 @@ from orin.checks.smoke import (
     check_ttft,
     check_wav,
     expected_samples,
-    render_table,
-    run_smoke,
-    video_prompt_tokens,
-    vocoder_chunks,
 )
 from orin.cli import cli
+from orin.device.profile import CPU
+from orin.engine import EngineConfig
 from orin.errors import UsageError
 from orin.media import encode_wav
 
 # --------------------------------------------------------------------------- single checks
+
+SPEECH = CPU.speech  # code2wav's chunk schedule (every profile's)
 
 
 def _speech(samples: int, report: dict) -> Answer:
@@ -46,36 +48,35 @@ def _speech(samples: int, report: dict) -> Answer:
 
 
 def test_wav_length_is_judged_from_codec_frames():
-    from orin.components import CODE2WAV_CHUNK as CH
-    from orin.components import CODE2WAV_FIRST_CHUNK as FIRST
+    CH, FIRST, vocoder_chunks = SPEECH.code2wav_chunk, SPEECH.code2wav_first_chunk, SPEECH.chunk_count
 
     assert vocoder_chunks(1) == 1 and vocoder_chunks(FIRST) == 1 and vocoder_chunks(FIRST + 1) == 2
     assert vocoder_chunks(63) == 6 and vocoder_chunks(63 + CH) == 7 and vocoder_chunks(64 + CH) == 8
     chunks = vocoder_chunks(10)
-    assert expected_samples(10) == ((10 - chunks) * 1920, 10 * 1920)
-    assert check_wav("s", _speech(10 * 1920, {"talker_frames": 10})).status == PASS
-    assert check_wav("s", _speech(9 * 1920, {"talker_frames": 10})).status == PASS  # trimmed at a chunk edge
-    too_short = check_wav("s", _speech(5 * 1920, {"talker_frames": 10}))
+    assert expected_samples(10, SPEECH) == ((10 - chunks) * 1920, 10 * 1920)
+    assert check_wav("s", _speech(10 * 1920, {"talker_frames": 10}), SPEECH).status == PASS
+    assert check_wav("s", _speech(9 * 1920, {"talker_frames": 10}), SPEECH).status == PASS  # trimmed at a chunk edge
+    too_short = check_wav("s", _speech(5 * 1920, {"talker_frames": 10}), SPEECH)
     assert too_short.status == FAIL and f"expected {(10 - chunks) * 1920}..19200" in too_short.detail
-    assert check_wav("s", _speech(11 * 1920, {"talker_frames": 10})).status == FAIL
-    assert check_wav("s", _speech(0, {"talker_frames": 0})).status == FAIL
+    assert check_wav("s", _speech(11 * 1920, {"talker_frames": 10}), SPEECH).status == FAIL
+    assert check_wav("s", _speech(0, {"talker_frames": 0}), SPEECH).status == FAIL
     # Report and WAV must agree on the length.
-    mismatch = check_wav("s", _speech(10 * 1920, {"talker_frames": 10, "audio_seconds": 0.5}))
+    mismatch = check_wav("s", _speech(10 * 1920, {"talker_frames": 10, "audio_seconds": 0.5}), SPEECH)
     assert mismatch.status == FAIL and "report says" in mismatch.detail
 
 
 def test_wav_without_frame_count_needs_a_tenth_of_a_second():
-    assert check_wav("s", _speech(2400, {})).status == FAIL
-    assert check_wav("s", _speech(2401, {})).status == PASS
+    assert check_wav("s", _speech(2400, {}), SPEECH).status == FAIL
+    assert check_wav("s", _speech(2401, {}), SPEECH).status == PASS
 
 
 def test_invalid_or_wrong_format_wav_fails():
-    assert check_wav("s", Answer("hi", None, {})).detail == "no audio returned"
-    assert "not a valid WAV" in check_wav("s", Answer("hi", b"RIFF....WAVEjunk", {})).detail
+    assert check_wav("s", Answer("hi", None, {}), SPEECH).detail == "no audio returned"
+    assert "not a valid WAV" in check_wav("s", Answer("hi", b"RIFF....WAVEjunk", {}), SPEECH).detail
     wrong_rate = Answer("hi", encode_wav(np.zeros(48000, np.float32), sr=16000), {})
-    assert "expected 24000 Hz mono 16-bit" in check_wav("s", wrong_rate).detail
+    assert "expected 24000 Hz mono 16-bit" in check_wav("s", wrong_rate, SPEECH).detail
     truncated = encode_wav(np.zeros(4800, np.float32), sr=24000)[:-100]
-    assert check_wav("s", Answer("hi", truncated, {})).status == FAIL
+    assert check_wav("s", Answer("hi", truncated, {}), SPEECH).status == FAIL
 
 
 def test_text_ttft_and_peak_checks():
@@ -146,7 +147,7 @@ def test_exactly_one_target():
     with pytest.raises(UsageError, match="exactly one"):
         run_smoke(SmokeConfig())
     with pytest.raises(UsageError, match="exactly one"):
-        run_smoke(SmokeConfig(url="http://127.0.0.1:1", model_dir="/x"))
+        run_smoke(SmokeConfig(url="http://127.0.0.1:1", engine=EngineConfig(model_dir="/x")))
     runner = CliRunner()
     result = runner.invoke(cli, ["smoke"])
     assert result.exit_code == 2 and "exactly one of --url" in result.output
@@ -169,8 +170,8 @@ SPEECH_S = 0.8
 def server(engine, quantized_dir):
     from orin.serve.app import ServeConfig, Server
 
-    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
-                             max_speech_seconds=SPEECH_S), engine=engine).start()
+    srv = Server(ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0,
+                             warmup=False, max_speech_seconds=SPEECH_S), engine=engine).start()
     yield srv
     srv.stop()
 
@@ -200,7 +201,8 @@ def test_smoke_over_http_passes_on_the_tiny_model(server):
 
 
 def test_smoke_in_process_passes_on_the_tiny_model(engine, quantized_dir):
-    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=8, max_speech_seconds=SPEECH_S),
+    result = run_smoke(SmokeConfig(engine=EngineConfig(model_dir=quantized_dir),
+                                   max_new_tokens=8, max_speech_seconds=SPEECH_S),
                        engine=engine)
     statuses = _statuses(result)
     assert set(statuses) == EXPECTED and result.ok, render_table(result)
@@ -210,7 +212,8 @@ def test_smoke_in_process_passes_on_the_tiny_model(engine, quantized_dir):
 
 
 def test_smoke_no_video_leaves_the_video_check_out(engine, quantized_dir):
-    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S,
+    result = run_smoke(SmokeConfig(engine=EngineConfig(model_dir=quantized_dir),
+                                   max_new_tokens=2, max_speech_seconds=SPEECH_S,
                                    video=False), engine=engine)
     assert set(_statuses(result)) == EXPECTED - VIDEO and result.ok, render_table(result)
 
@@ -220,6 +223,7 @@ class _BlankVideoAnswers:
 
     def __init__(self, engine):
         self.engine = engine
+        self.profile = engine.profile
 
     def memory(self):
         return self.engine.memory()
@@ -235,7 +239,8 @@ def test_smoke_video_fails_on_an_empty_answer_or_too_few_prompt_tokens(engine, q
 
     # as if the video or its soundtrack had been dropped: the prompt is shorter than the clip's tokens
     monkeypatch.setattr(smoke, "video_prompt_tokens", lambda: 10**6)
-    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S),
+    result = run_smoke(SmokeConfig(engine=EngineConfig(model_dir=quantized_dir),
+                                   max_new_tokens=2, max_speech_seconds=SPEECH_S),
                        engine=_BlankVideoAnswers(engine))
     statuses = _statuses(result)
     assert not result.ok
@@ -250,7 +255,8 @@ def test_smoke_video_goes_through_the_real_decoder(engine, quantized_dir, monkey
     import orin.video
 
     monkeypatch.setattr(orin.video, "synth_clip", lambda *a, **k: b"\x00\x00\x00\x18ftypmp42 not really a video")
-    result = run_smoke(SmokeConfig(model_dir=quantized_dir, max_new_tokens=2, max_speech_seconds=SPEECH_S),
+    result = run_smoke(SmokeConfig(engine=EngineConfig(model_dir=quantized_dir),
+                                   max_new_tokens=2, max_speech_seconds=SPEECH_S),
                        engine=engine)
     statuses = _statuses(result)
     assert statuses["video: request"] == FAIL and not result.ok
@@ -287,8 +293,9 @@ def test_smoke_with_an_api_key(engine, quantized_dir, tmp_path):
     key = tmp_path / "key"
     key.write_text("k-123\n")
     key.chmod(0o600)
-    srv = Server(ServeConfig(model_dir=quantized_dir, port=0, device="cpu", power_backend="none", warmup=False,
-                             api_key_file=str(key), max_speech_seconds=SPEECH_S), engine=engine).start()
+    srv = Server(ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0,
+                             warmup=False, api_key_file=str(key), max_speech_seconds=SPEECH_S),
+                 engine=engine).start()
     try:
         denied = run_smoke(SmokeConfig(url=srv.url, max_new_tokens=2))
         assert not denied.ok and any("HTTP 401" in c.detail for c in denied.checks)
@@ -315,7 +322,8 @@ def test_device_smoke(device_target):
 
     max_ttft = os.environ.get("ORIN_OMNI_SMOKE_MAX_TTFT")
     max_peak = os.environ.get("ORIN_OMNI_SMOKE_MAX_PEAK")
-    cfg = SmokeConfig(url=device_target.get("url"), model_dir=device_target.get("model_dir"),
+    model_dir = device_target.get("model_dir")
+    cfg = SmokeConfig(url=device_target.get("url"), engine=EngineConfig(model_dir=model_dir) if model_dir else None,
                       max_ttft=float(max_ttft) if max_ttft else None,
                       max_peak=parse_bytes(max_peak) if max_peak else None,
                       api_key_file=device_target.get("api_key_file"))

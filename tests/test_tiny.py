@@ -10,11 +10,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from devtools.tiny import build_tiny_model
 from orin.cli import cli
-from orin.devtools.tiny import build_tiny_model
 from orin.layout import QuantSpec, find_targets
 from orin.media import synth_image, synth_speechlike
-from orin.processor import build_processor
+from quantize.hf_processor import build_processor
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "processor_config.json", "generation_config.json")
@@ -77,7 +77,7 @@ def test_shaped_for_group_128():
 def test_generate_text_image_audio_with_speech(tiny_model_dir):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     config = load_config(tiny_model_dir)
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_model_dir, config=config,
@@ -100,6 +100,6 @@ def test_generate_text_image_audio_with_speech(tiny_model_dir):
 
 @pytest.mark.parametrize("speaker", ["Ethan", "chelsie", "AIDEN"])
 def test_speakers_are_looked_up_lower_case(tiny_model_dir, speaker):
-    from orin.modelcfg import load_config
+    from quantize.hf_config import load_config
 
     assert speaker.lower() in load_config(tiny_model_dir).talker_config.speaker_id

@@ -4,6 +4,8 @@ against transformers' Qwen3-Omni on the very same weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -138,6 +140,15 @@ def test_video_request_matches_transformers(engine, clip_video, media):
     assert text == report.text
 
 
+def _engine_with(model_dir: str, base, **groups):
+    """A CPU engine on the tiny checkpoint whose device profile is `base` with some tuning numbers changed:
+    groups={"prefill": {"long_prefill_tokens": 37}, ...} (orin.device.profile's group names)."""
+    from orin.engine import Engine, EngineConfig
+
+    profile = replace(base, **{g: replace(getattr(base, g), **values) for g, values in groups.items()})
+    return Engine(EngineConfig(model_dir=model_dir, device="cpu", power_backend="none", profile=profile))
+
+
 def _features(engine, inputs, prompt):
     th = engine.thinker
     audio = th.encode_audio(inputs, prompt) if prompt.has_audio else None
@@ -145,18 +156,22 @@ def _features(engine, inputs, prompt):
     return audio, image, th.encode_video(prompt) if prompt.has_video else None
 
 
-def test_video_is_encoded_a_few_grids_at_a_time(engine, clip_video, monkeypatch):
-    import orin.components as components
-
+def test_video_is_encoded_a_few_grids_at_a_time(engine, clip_video, quantized_dir, monkeypatch):
     prompt = engine.prepare(GenerationRequest(messages=_messages(clip_video)))
     whole = engine.thinker.encode_video(prompt)
-    monkeypatch.setattr(components, "VIDEO_ENCODE_PATCHES", 48)  # one grid a pass
-    calls = []
-    visual = engine.model.thinker.model.visual
-    original = type(visual).forward
-    monkeypatch.setattr(type(visual), "forward", lambda self, px, plan: calls.append(px.shape[0]) or
-                        original(self, px, plan))
-    pieces = engine.thinker.encode_video(prompt)
+    small = _engine_with(quantized_dir, engine.profile, prefill={"video_encode_patches": 48})  # one grid a pass
+    try:
+        calls = []
+        visual = small.model.thinker.model.visual
+        original = type(visual).forward
+        monkeypatch.setattr(type(visual), "forward", lambda self, px, plan: calls.append(px.shape[0]) or
+                            original(self, px, plan))
+        req = GenerationRequest(messages=_messages(clip_video), max_new_tokens=1, speech=False)
+        _collect(small, req)  # the vision encoder resident, as a request leaves it
+        calls.clear()
+        pieces = small.thinker.encode_video(small.prepare(req))
+    finally:
+        small.close()
     assert calls == [48, 48, 48]
     # the same sums, but GEMMs over fewer rows may round differently in the last bits
     torch.testing.assert_close(pieces.embeds, whole.embeds, atol=1e-5, rtol=1e-4)
@@ -232,13 +247,13 @@ def test_generate_cli_refuses_what_is_not_a_video(quantized_dir, tmp_path):
 
 
 def test_plan_sizes_a_video_as_the_engine_prepares_it(engine):
-    from orin.plan import Request, request_tokens
+    from orin.request_sizes import Request, request_tokens
 
     clip = load_video(synth_clip(5.0, 10, (64, 64), seed=7), VideoOptions(fps=2.0))
     prompt = engine.prepare(GenerationRequest(messages=_messages(clip)))
     for fps in (2.0, 1.0):
         req = Request(video_seconds=5.0, video_fps=fps, video_frame_pixels=64 * 64, speech=False)
-        tokens = request_tokens(req, engine.sizes.dims)
+        tokens = request_tokens(req, engine.sizes.dims, engine.profile)
         seen = engine.prepare(GenerationRequest(messages=_messages(
             load_video(synth_clip(5.0, 10, (64, 64), seed=7), VideoOptions(fps=fps)))))
         assert tokens["video"] == seen.n_video_tokens
@@ -265,36 +280,38 @@ def test_time_sliced_video_request_equals_all_resident(quantized_dir, engine, cl
         small.close()
 
 
-def test_long_prompt_path_gives_the_same_answer(engine, clip_video, monkeypatch):
+def test_long_prompt_path_gives_the_same_answer(engine, clip_video, quantized_dir):
     """A long video prompt's prefill (chunks through all layers, each attending to the cache the chunks before
     wrote, deepstack features added in their chunk; no prefill graph) answers as the one-pass prefill does."""
-    import orin.components as components
-
     req = GenerationRequest(messages=_messages(clip_video, audio=True), max_new_tokens=6, max_audio_frames=20)
-    prompt = engine.prepare(req)
-    inputs = dict(prompt.inputs)
 
-    def prefill():
+    def prefill(eng):
+        prompt = eng.prepare(req)
+        inputs = dict(prompt.inputs)
         with torch.inference_mode():
-            merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
+            merged = eng.thinker.merge(inputs, prompt, *_features(eng, inputs, prompt))
             given = merged[0].clone()
-            _, states, logits = engine.thinker.prefill(merged, prompt.length + 1, graph=False)
+            _, states, logits = eng.thinker.prefill(merged, prompt.length + 1, graph=False)
         return logits, states, bool(torch.equal(merged[0], given))
 
-    import orin.talker as talker
+    def run(eng):
+        seen: list[int] = []  # the rows of each block the talker's hidden projection sees
+        hook = eng.model.talker.hidden_projection.register_forward_pre_hook(
+            lambda _m, args: seen.append(args[0].shape[1]))
+        try:
+            return (_collect(eng, req), prefill(eng)), seen
+        finally:
+            hook.remove()
 
-    seen: list[int] = []  # the rows of each block the talker's hidden projection sees
-    hook = engine.model.talker.hidden_projection.register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].shape[1]))
+    # chunks end inside the video and its audio; a long prompt's projections on 48-row blocks
+    long_engine = _engine_with(quantized_dir, engine.profile,
+                               prefill={"long_prefill_tokens": 37, "long_projection_rows": 48})
     try:
-        short = _collect(engine, req), prefill()
-        short_blocks, seen[:] = list(seen), []
-        monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)  # chunks end inside the video and its audio
-        monkeypatch.setattr(talker, "LONG_PROJECTION_ROWS", 48)  # a long prompt's projection blocks
-        long = _collect(engine, req), prefill()
+        short, short_blocks = run(engine)
+        long, seen = run(long_engine)
     finally:
-        hook.remove()
-    assert set(short_blocks) == {talker.PROJECTION_ROWS} and set(seen) == {48} and len(seen) > 1
+        long_engine.close()
+    assert set(short_blocks) == {engine.profile.prefill.projection_rows} and set(seen) == {48} and len(seen) > 1
     # the long prefill's first layer overwrote the embeddings (nothing reads them after): no whole-prompt copy
     assert short[1][2] and not long[1][2]
     short, long = (short[0], short[1][:2]), (long[0], long[1][:2])
@@ -308,17 +325,14 @@ def test_long_prompt_path_gives_the_same_answer(engine, clip_video, monkeypatch)
 
 
 @pytest.mark.parametrize("video", [True, False])
-def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine, clip_video, monkeypatch, video):
+def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine, clip_video, quantized_dir,
+                                                                         monkeypatch, video):
     """The long prefill as it runs on Hopper (each layer's attention whole, attention_block_long; here with SDPA's
     math kernel in cuDNN's place, on CPU) gives the one-pass prefill's logits and the talker's hidden states. The
     layers before every deepstack level is added (a video's first ones, the prefill's memory peak) take the
     leaner variants, the attention in chunks and MoE blocks of half the rows: all of the tiny thinker's two with a
     video, none without."""
-    from torch.nn.attention import SDPBackend
-
-    import orin.components as components
     import orin.decode as decode
-    import orin.decoder_layer as dl
     from orin.int4_experts import Int4Experts
     from orin.media import synth_speechlike
 
@@ -326,16 +340,19 @@ def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine,
         {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(3.0, seed=5)},
                                      {"type": "text", "text": "What did you hear?"}]}]
     req = GenerationRequest(messages=tuple(messages), max_new_tokens=6, max_audio_frames=20)
-    prompt = engine.prepare(req)
-    inputs = dict(prompt.inputs)
 
-    def prefill():
+    def prefill(eng):
+        prompt = eng.prepare(req)
+        inputs = dict(prompt.inputs)
         with torch.inference_mode():
-            merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
-            return engine.thinker.prefill(merged, prompt.length + 1, graph=False)[1:]
+            merged = eng.thinker.merge(inputs, prompt, *_features(eng, inputs, prompt))
+            return eng.thinker.prefill(merged, prompt.length + 1, graph=False)[1:]
 
     _collect(engine, req)  # every component resident, as a request leaves them
-    states_s, logits_s = prefill()
+    states_s, logits_s = prefill(engine)
+    # the long route from 37 tokens, its attention whole (cuDNN's path; SDPA's math kernel on the CPU)
+    long_engine = _engine_with(quantized_dir, engine.profile, prefill={"long_prefill_tokens": 37},
+                               capabilities={"cudnn_whole_prompt": True})
     whole, rows = [], []
     real_add_long = Int4Experts.add_long
 
@@ -343,42 +360,50 @@ def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine,
         rows.append(max_rows)
         return real_add_long(self, *args, max_rows=max_rows)
 
+    real_long_attention = decode.attention_block_long
+
     def long_attention(*args):
         whole.append(len(rows))  # the layer it runs in: the MoE blocks recorded before it
-        return dl.attention_block_long(*args, backend=SDPBackend.MATH)
+        return real_long_attention(*args)
 
-    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)
-    monkeypatch.setattr(decode, "cudnn_whole_prompt", lambda device: True)
+    # spies only: they record which layers take which variant and call the real functions
     monkeypatch.setattr(decode, "attention_block_long", long_attention)
     monkeypatch.setattr(Int4Experts, "add_long", add_long)
-    states_l, logits_l = prefill()
+    try:
+        _collect(long_engine, req)
+        rows.clear()
+        whole.clear()
+        states_l, logits_l = prefill(long_engine)
+    finally:
+        long_engine.close()
     layers = len(engine.model.thinker.model.language_model.layers)
+    block = engine.profile.prefill.long_moe_block_rows
     if video:
-        assert rows == [components.LONG_MOE_BLOCK_ROWS // 2] * layers and whole == []
+        assert rows == [block // 2] * layers and whole == []
     else:
-        assert rows == [components.LONG_MOE_BLOCK_ROWS] * layers and whole == list(range(layers))
+        assert rows == [block] * layers and whole == list(range(layers))
     torch.testing.assert_close(logits_l, logits_s, atol=1e-4, rtol=1e-4)
     for i in states_s:
         torch.testing.assert_close(states_l[i], states_s[i], atol=1e-4, rtol=1e-4)
 
 
-def test_a_long_prompt_not_held_drops_each_deepstack_level_once_added(engine, clip_video, monkeypatch):
+def test_a_long_prompt_not_held_drops_each_deepstack_level_once_added(engine, clip_video, quantized_dir,
+                                                                     monkeypatch):
     """A long video prompt too large to hold for a next turn: each deepstack level is freed as soon as the layer
     after which it is added has run (nothing keeps it to the end of the prefill: at 2 fps the levels are 0.27
     GiB, and they set the video prefill's peak, BENCHMARKS.md run 51), and no next turn reads its rows."""
     import weakref
 
-    import orin.components as components
-    import orin.decode as decode
     from orin.int4_experts import Int4Experts
 
     req = GenerationRequest(messages=tuple(_messages(clip_video, audio=True)), max_new_tokens=6,
                             max_audio_frames=20)
-    prompt = engine.prepare(req)
+    # the long route from 37 tokens, and nothing held for a next turn
+    eng = _engine_with(quantized_dir, engine.profile, prefill={"long_prefill_tokens": 37},
+                       capture={"held_max_bytes": 0})
+    prompt = eng.prepare(req)
     inputs = dict(prompt.inputs)
-    _collect(engine, req)
-    monkeypatch.setattr(components, "LONG_PREFILL_TOKENS", 37)
-    monkeypatch.setattr(decode, "HELD_MAX_BYTES", 0)
+    _collect(eng, req)
     alive_at_layer = []
     real_add_long = Int4Experts.add_long
 
@@ -387,12 +412,18 @@ def test_a_long_prompt_not_held_drops_each_deepstack_level_once_added(engine, cl
         return real_add_long(self, *args, **kwargs)
 
     monkeypatch.setattr(Int4Experts, "add_long", add_long)
-    with torch.inference_mode():
-        merged = engine.thinker.merge(inputs, prompt, *_features(engine, inputs, prompt))
-        refs = [weakref.ref(level) for level in merged[3][1]]
-        dec = engine.thinker.prefill(merged, prompt.length + 1, graph=False)[0]
-    levels = len(refs)
-    assert levels >= 2 and len(alive_at_layer) >= levels
-    # at layer i's MLP, the levels added after layers 0..i-1 are gone, the rest still wait
-    assert alive_at_layer[:levels] == [[j >= i for j in range(levels)] for i in range(levels)]
-    assert all(ref() is None for ref in refs) and dec._held is None
+    try:
+        with torch.inference_mode():
+            merged = eng.thinker.merge(inputs, prompt, *_features(eng, inputs, prompt))
+            refs = [weakref.ref(level) for level in merged[3][1]]
+            eng.thinker.prefill(merged, prompt.length + 1, graph=False)
+        levels = len(refs)
+        assert levels >= 2 and len(alive_at_layer) >= levels
+        # at layer i's MLP, the levels added after layers 0..i-1 are gone, the rest still wait
+        assert alive_at_layer[:levels] == [[j >= i for j in range(levels)] for i in range(levels)]
+        assert all(ref() is None for ref in refs)
+        # nothing held: the same prompt as a next turn reads no row from the cache
+        _, _, report = eng.generate(replace(req, continues=True))
+        assert not any(k.startswith("prefill_reused") for k in report.timeline_s)
+    finally:
+        eng.close()

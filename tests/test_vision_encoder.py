@@ -11,8 +11,9 @@ import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state, real_meta_trees
 from torch import nn
 
-from orin.modelcfg import load_config, read_config_dict
+from orin.modelcfg import read_config_dict
 from orin.vision_encoder import PLAN_CACHE_SIZE, VisionEncoder, VisionPlan
+from quantize.hf_config import load_config
 
 ATOL = 1e-5
 PREFIX = "thinker.visual."
@@ -113,7 +114,7 @@ def test_processor_images_match_transformers(encoders, tiny_model_dir):
     """The production input path: images of several sizes and aspect ratios through the checkpoint's processor,
     one call per image and all of them in one call, split per image as get_image_features splits."""
     from orin.media import synth_image
-    from orin.processor import build_processor
+    from quantize.hf_processor import build_processor
 
     images = [synth_image((64, 64), seed=1), synth_image((160, 96), seed=2, kind="gradient"),
               synth_image((72, 200), seed=3, kind="checker")]

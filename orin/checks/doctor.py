@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..device.profile import CPU, ORIN, DeviceProfile
 from ..errors import OrinError, UsageError
 from ..power.backends import JTOP_SOCKET
 from ..service.unit import (
@@ -86,6 +87,7 @@ class DoctorResult:
     user: str = DEFAULT_USER
     budget: int = DEFAULT_BUDGET
     notes: tuple[str, ...] = field(default_factory=tuple)
+    profile: DeviceProfile | None = None  # the device profile the engine would use here (orin.device.profile)
 
     @property
     def ok(self) -> bool:
@@ -99,7 +101,8 @@ class DoctorResult:
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "model_dir": self.model_dir, "user": self.user, "budget_bytes": self.budget,
-                "checks": [asdict(c) for c in self.checks]}  # every check with its `fix`, empty or not
+                "checks": [asdict(c) for c in self.checks],  # every check with its `fix`, empty or not
+                "device_profile": self.profile.as_dict() if self.profile else None}
 
 
 # ------------------------------------------------------------------ what install-service left behind
@@ -258,7 +261,17 @@ def _import_torch():
     return torch, None
 
 
-def _plan(model_dir: str, manifest, budget: int):
+def _profile(torch, cuda_ok: bool, jetson: bool) -> DeviceProfile:
+    """The profile the engine would run with: probed where CUDA works, else the board's kind assumed (an Orin
+    whose CUDA is broken is still planned as an Orin) or the CPU's."""
+    from ..device.capabilities import detect
+
+    if torch is not None and cuda_ok:
+        return detect(torch.device("cuda"))
+    return ORIN if jetson else CPU
+
+
+def _plan(model_dir: str, manifest, budget: int, profile: DeviceProfile):
     """The planner's verdict for the standard request on this checkpoint (its own group size and split)."""
     from ..plan import PlanConfig, make_plan
 
@@ -267,7 +280,7 @@ def _plan(model_dir: str, manifest, budget: int):
     return make_plan(PlanConfig(
         model=model_dir, budget=budget, group_size=spec.group_size, segments=segments,
         quantize_audio_encoder=spec.quantize_audio_encoder, quantize_code_predictor=spec.quantize_code_predictor,
-        quantize_code2wav=spec.quantize_code2wav, quantize_vision=spec.quantize_vision,
+        quantize_code2wav=spec.quantize_code2wav, quantize_vision=spec.quantize_vision, device_profile=profile.name,
     ))
 
 
@@ -286,7 +299,7 @@ def _budget(cfg: DoctorConfig, installed: Installed) -> tuple[int, str | None]:
 
 
 def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: str, budget: int, torch,
-                  interpreter: str) -> list[Check]:
+                  interpreter: str, profile: DeviceProfile) -> list[Check]:
     model_check, manifest = check_model_dir(model_dir, source, _is_root_fs(cfg.root))
     checks = [model_check]
     meminfo = read_meminfo(cfg.proc_root)
@@ -299,7 +312,7 @@ def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: s
         checks.append(Check("memory", SKIP, "the planner needs torch (see torch)"))
     else:
         try:
-            plan, plan_error = _plan(model_dir, manifest, budget), None
+            plan, plan_error = _plan(model_dir, manifest, budget, profile), None
         except OrinError as exc:
             plan, plan_error = None, str(exc)
         checks.append(check_memory(meminfo, plan, budget, plan_error, model_dir))
@@ -339,10 +352,11 @@ def run_doctor(cfg: DoctorConfig, *, run: Runner = subprocess.run) -> DoctorResu
     checks.append(check_nvpmodel(str(under_root(cfg.root, nvpmodel)) if nvpmodel else None, jetson, run))
     checks += check_power_backends(cfg.sysfs_root, cfg.jtop_socket, jetson)
 
-    checks += _model_checks(cfg, model_dir, source, user, budget, torch, _interpreter(installed))
+    profile = _profile(torch, cuda_ok, jetson)
+    checks += _model_checks(cfg, model_dir, source, user, budget, torch, _interpreter(installed), profile)
     checks += check_unit(cfg, installed, model_dir, user, run)
     return DoctorResult(checks=tuple(checks), model_dir=model_dir, user=user, budget=budget,
-                        notes=(budget_note,) if budget_note else ())
+                        notes=(budget_note,) if budget_note else (), profile=profile)
 
 
 def render_table(result: DoctorResult) -> str:
@@ -355,6 +369,8 @@ def render_table(result: DoctorResult) -> str:
         if check is not None and check.status == FAIL and check.fix:
             lines += [f"{'':<{w0}}  {'':<{w1}}  fix: {fix}" for fix in check.fix.splitlines()]
     lines += [f"note: {note}" for note in result.notes]
+    if result.profile is not None:
+        lines += result.profile.render().splitlines()
     failed = sum(c.status == FAIL for c in result.checks)
     skipped = sum(c.status == SKIP for c in result.checks)
     passed = len(result.checks) - failed - skipped

@@ -128,6 +128,7 @@ def check_int4_kernel(torch, device: str) -> Check:
         return Check(name, SKIP, "torch is not installed")
     from ..gptq_format import dequantize_gptq_v1, random_gptq_v1
     from ..int4 import Int4Linear
+    from ..int4pack import int4_mm
 
     rows, K, N, g = INT4_SHAPE
     op = "aten._weight_int4pack_mm" + ("" if device == "cuda" else "_for_cpu")
@@ -138,7 +139,8 @@ def check_int4_kernel(torch, device: str) -> Check:
     try:
         with torch.no_grad():
             layer = Int4Linear.from_gptq(tensors, K, device, dtype=torch.bfloat16, name="doctor")
-            y = layer(x.to(device), route="tinygemm").float().cpu()  # torch's INT4 kernel itself
+            y = int4_mm(x.to(device), layer.weight_packed, layer.kernel_group_size,  # torch's INT4 kernel itself
+                        layer.scales_and_zeros).float()[:, :N].cpu()
     except Exception as exc:  # noqa: BLE001 - any kernel failure is the finding, reported with its fix
         return Check(name, FAIL, f"{op} failed: {_exc_text(exc)}",
                      "install the torch build made for this board (its INT4 kernels come with it): "

@@ -18,25 +18,34 @@ from __future__ import annotations
 import base64
 import io
 import json
-import math
-import wave
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..audio_format import (
-    CODEC_FRAMES_PER_SECOND,
-    INPUT_SAMPLE_RATE,
-    OUTPUT_SAMPLE_RATE,
-    SAMPLES_PER_FRAME,
-    audio_token_count,
-)
+from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, audio_token_count
+from ..device.profile import SpeechTuning
 from ..errors import OrinError, UsageError
-from ..units import format_bytes
-from .check import FAIL, PASS, SKIP, Check
+from .check import FAIL, SKIP, Check
 from .http import Unreachable, exchange
+from .smoke_checks import (
+    Answer,
+    SmokeRequestError,
+    as_number,
+    check_first_audio,
+    check_health,
+    check_metrics,
+    check_peak,
+    check_power,
+    check_prompt_tokens,
+    check_text,
+    check_ttft,
+    check_wav,
+)
 from .smoke_voice import voice_checks
 
-MIN_SPEECH_SECONDS = 0.1  # when the report does not say how many frames were generated
+if TYPE_CHECKING:
+    from ..engine import EngineConfig
+
 # The video request's clip: 4 s at 10 fps, 128x160 (sides already multiples of 32, under the frame-pixel cap, so
 # the decoder keeps them), with a soundtrack.
 VIDEO_SECONDS = 4.0
@@ -47,21 +56,16 @@ AUDIO_FEATURES_PER_SECOND = 100  # Whisper features: a 10 ms hop at 16 kHz
 
 @dataclass(frozen=True)
 class SmokeConfig:
-    url: str | None = None
-    model_dir: str | None = None
-    budget: int | None = None
+    url: str | None = None  # a running server; or, in-process:
+    engine: EngineConfig | None = None  # the engine to open (its budget is also the peak-memory limit)
     max_ttft: float | None = None
-    max_peak: int | None = None
+    max_peak: int | None = None  # None: the engine's budget, or the one the server reports
     api_key_file: str | None = None
-    device: str = "auto"
-    power_backend: str = "auto"
-    sysfs_root: str = "/sys"
     audio_seconds: float = 30.0
     max_new_tokens: int = 32
     max_speech_seconds: float | None = None  # in-process only; a server applies its own --max-speech-seconds
     voice: str | None = None
     timeout_s: float = 600.0
-    packed_cache: str | None = None  # in-process: orin.packed_cache's directory
     video: bool = True  # the video request (--video/--no-video)
     voice_endpoints: bool = True  # with --url: /v1/audio/speech, /v1/audio/transcriptions, /v1/realtime
 
@@ -115,17 +119,6 @@ def video_prompt_tokens(seconds: float = VIDEO_SECONDS, size: tuple[int, int] = 
     if audio:
         tokens += audio_token_count(int(seconds * AUDIO_FEATURES_PER_SECOND), n_window)
     return tokens
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    wav: bytes | None
-    report: Mapping
-
-
-class SmokeRequestError(OrinError):
-    """One smoke request failed (HTTP error, engine error); recorded as a failed check, not raised out."""
 
 
 # ------------------------------------------------------------------ inputs
@@ -254,6 +247,7 @@ class EngineTarget:
     def ask(self, case: Case, inputs: Inputs, max_new_tokens: int) -> Answer:
         from ..contract import GenerationRequest
         from ..media import encode_wav
+        from ..serve.chat_request import speech_frames
 
         parts: list[dict] = []
         if case.image:
@@ -261,8 +255,8 @@ class EngineTarget:
         if case.audio:
             parts.append({"type": "audio", "audio": inputs.audio})
         extra = {"voice": self.voice} if self.voice else {}
-        if self.max_speech_seconds is not None:
-            extra["max_audio_frames"] = max(1, math.ceil(self.max_speech_seconds * CODEC_FRAMES_PER_SECOND))
+        if self.max_speech_seconds is not None:  # as a server caps it (--max-speech-seconds)
+            extra["max_audio_frames"] = speech_frames(self.max_speech_seconds)
         try:
             if case.video:  # through the real decoder, as a server decodes a video_url part
                 from ..video import load_video
@@ -278,176 +272,12 @@ class EngineTarget:
         return Answer(text=text, wav=wav, report=report.to_json())  # the JSON a server returns under "orin"
 
 
-# ------------------------------------------------------------------ checks
-
-
-def _num(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def check_text(name: str, answer: Answer) -> Check:
-    text = answer.text.strip()
-    if not text:
-        return Check(f"{name}: answer", FAIL, "empty text")
-    shown = text if len(text) <= 40 else text[:37] + "..."
-    return Check(f"{name}: answer", PASS, f"{len(text)} chars: {shown!r}")
-
-
-def check_ttft(name: str, report: Mapping, limit: float | None) -> Check:
-    ttft = _num(report.get("ttft_s"))
-    if ttft is None or ttft <= 0:
-        return Check(f"{name}: ttft", FAIL, f"the report has no time to first token ({report.get('ttft_s')!r})")
-    if limit is None:
-        return Check(f"{name}: ttft", PASS, f"{ttft:.3f} s (no --max-ttft)")
-    status = PASS if ttft <= limit else FAIL
-    return Check(f"{name}: ttft", status, f"{ttft:.3f} s, limit {limit:g} s")
-
-
-def check_peak(name: str, report: Mapping, limit: int | None) -> Check:
-    peak = _num(report.get("peak_bytes"))
-    if peak is None or peak <= 0:
-        return Check(f"{name}: peak memory", FAIL, f"the report has no peak memory ({report.get('peak_bytes')!r})")
-    if limit is None:
-        return Check(f"{name}: peak memory", PASS, f"{format_bytes(peak)} (no --max-peak or budget)")
-    status = PASS if peak <= limit else FAIL
-    return Check(f"{name}: peak memory", status, f"{format_bytes(peak)}, limit {format_bytes(limit)}")
-
-
-def parse_wav(data: bytes) -> tuple[int, int, int, int]:
-    """(sample rate, channels, sample width, frames) of a WAV file; raises ValueError for anything else."""
-    try:
-        with wave.open(io.BytesIO(data), "rb") as w:
-            params = (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes())
-            actual = len(w.readframes(w.getnframes())) // max(1, w.getnchannels() * w.getsampwidth())
-    except (wave.Error, EOFError) as exc:
-        raise ValueError(f"not a valid WAV file: {exc}") from exc
-    if actual != params[3]:
-        raise ValueError(f"WAV header says {params[3]} frames but the data holds {actual}")
-    return params
-
-
-def vocoder_chunks(frames: int) -> int:
-    """How many pieces code2wav decodes `frames` codec frames in (orin.vocoder's fixed chunk schedule)."""
-    from ..vocoder import chunk_count
-
-    return chunk_count(frames)
-
-
-def expected_samples(frames: int) -> tuple[int, int]:
-    """The range of sample counts `frames` codec frames decode to: 1920 a frame, less at most one frame at the
-    edge of each vocoder chunk (the causal decoder's trim)."""
-    return (frames - vocoder_chunks(frames)) * SAMPLES_PER_FRAME, frames * SAMPLES_PER_FRAME
-
-
-def check_wav(name: str, answer: Answer) -> Check:
-    """A valid 24 kHz mono 16-bit WAV whose length fits the codec frames generated or, when the report does not
-    count frames, longer than 0.1 s; and as long as the report's audio_seconds."""
-    label = f"{name}: wav"
-    if not answer.wav:
-        return Check(label, FAIL, "no audio returned")
-    try:
-        sr, channels, width, samples = parse_wav(answer.wav)
-    except ValueError as exc:
-        return Check(label, FAIL, str(exc))
-    if (sr, channels, width) != (OUTPUT_SAMPLE_RATE, 1, 2):
-        return Check(label, FAIL, f"{sr} Hz, {channels} channel(s), {8 * width}-bit; expected 24000 Hz mono 16-bit")
-    seconds = samples / sr
-    frames = _num(answer.report.get("talker_frames", answer.report.get("codec_frames")))
-    if frames is not None:
-        lo, hi = expected_samples(int(frames))
-        lo = max(lo, 1)  # an empty WAV is never a plausible answer
-        if not lo <= samples <= hi:
-            return Check(label, FAIL, f"{samples} samples ({seconds:.2f} s) for {int(frames)} codec frames; "
-                         f"expected {lo}..{hi}")
-        plausible = f"{int(frames)} frames"
-    else:
-        if seconds <= MIN_SPEECH_SECONDS:
-            return Check(label, FAIL, f"{seconds:.3f} s of audio; expected more than {MIN_SPEECH_SECONDS} s")
-        plausible = f"> {MIN_SPEECH_SECONDS} s"
-    reported = _num(answer.report.get("audio_seconds"))
-    if reported is not None and abs(reported - seconds) > 1.0 / sr + 1e-6:
-        return Check(label, FAIL, f"{seconds:.3f} s of audio but the report says {reported:.3f} s")
-    return Check(label, PASS, f"{seconds:.2f} s at 24 kHz ({plausible})")
-
-
-def check_prompt_tokens(name: str, report: Mapping, minimum: int) -> Check:
-    """The prompt holds at least the tokens its media make (a video's frames and soundtrack): fewer means the
-    server or engine dropped frames or the audio."""
-    tokens = _num(report.get("prompt_tokens"))
-    if tokens is None or tokens <= 0:
-        return Check(f"{name}: prompt tokens", FAIL, f"the report has no prompt token count "
-                     f"({report.get('prompt_tokens')!r})")
-    status = PASS if tokens >= minimum else FAIL
-    return Check(f"{name}: prompt tokens", status, f"{int(tokens)}, at least {minimum} expected (frames + soundtrack)")
-
-
-def check_first_audio(name: str, report: Mapping) -> Check:
-    first = _num(report.get("first_audio_s"))
-    if first is None or first <= 0:
-        return Check(f"{name}: first audio", FAIL, f"the report has no time to first audio "
-                     f"({report.get('first_audio_s')!r})")
-    return Check(f"{name}: first audio", PASS, f"{first:.3f} s")
-
-
-def check_power(reports: Mapping[str, Mapping]) -> Check:
-    """Energy must be measured for every request when a backend reads power; with backend "none" the check
-    is skipped (there is nothing to verify), which is not a pass."""
-    if not reports:
-        return Check("power", FAIL, "no request completed")
-    backends = {str((r.get("energy") or {}).get("backend", "none")) for r in reports.values()}
-    if backends == {"none"}:
-        return Check("power", SKIP, "no power backend on this machine (backend none)")
-    missing, parts = [], []
-    for name, report in reports.items():
-        energy = report.get("energy") or {}
-        joules, mean_w = _num(energy.get("joules")), _num(energy.get("mean_w"))
-        if joules is None or joules <= 0 or mean_w is None or mean_w <= 0:
-            missing.append(f"{name} ({energy.get('backend', 'none')}: {energy.get('note') or 'no joules'})")
-        else:
-            parts.append(f"{name} {joules:.1f} J @ {mean_w:.1f} W")
-    if missing:
-        return Check("power", FAIL, "no energy for " + ", ".join(missing))
-    return Check("power", PASS, f"{', '.join(sorted(backends))}: " + "; ".join(parts))
-
-
-def check_health(target: HttpTarget) -> Check:
-    try:
-        status, body = target.get_json("/health")
-    except SmokeRequestError as exc:
-        return Check("health", FAIL, str(exc))
-    if status != 200 or body.get("status") != "ok":
-        return Check("health", FAIL, f"HTTP {status}: {body.get('status', body)!r}")
-    return Check("health", PASS, f"ok, model {body.get('model')!r}")
-
-
-def check_metrics(target: HttpTarget) -> Check:
-    from ..serve.metrics import parse_metrics
-
-    try:
-        status, text = target.get_text("/metrics")
-    except SmokeRequestError as exc:
-        return Check("metrics", FAIL, str(exc))
-    if status != 200:
-        return Check("metrics", FAIL, f"HTTP {status}")
-    try:
-        samples = parse_metrics(text)
-    except ValueError as exc:
-        return Check("metrics", FAIL, f"not Prometheus text: {exc}")
-    wanted = ("orin_ttft_seconds_count", "orin_requests_total", "orin_memory_resident_bytes",
-              "orin_process_resident_memory_bytes")
-    absent = [w for w in wanted if not any(k == w or k.startswith(w + "{") for k in samples)]
-    if absent:
-        return Check("metrics", FAIL, f"missing {', '.join(absent)}")
-    return Check("metrics", PASS, f"{len(samples)} samples, {int(samples['orin_ttft_seconds_count'])} TTFTs")
-
-
 # ------------------------------------------------------------------ run
 
 
 def _run_cases(ask: Callable[[Case], Answer], ttft_limit: float | None, peak_limit: int | None,
-               video: bool = True) -> tuple[list[Check], dict[str, Mapping]]:
+               speech: SpeechTuning, video: bool = True) -> tuple[list[Check], dict[str, Mapping]]:
+    """Every case through `ask`, and its checks; `speech` is code2wav's chunk schedule the WAVs were made in."""
     checks: list[Check] = []
     reports: dict[str, Mapping] = {}
     for case in cases(video):
@@ -461,7 +291,7 @@ def _run_cases(ask: Callable[[Case], Answer], ttft_limit: float | None, peak_lim
         checks.append(check_ttft(case.name, answer.report, ttft_limit))
         checks.append(check_peak(case.name, answer.report, peak_limit))
         if case.speech:
-            checks.append(check_wav(case.name, answer))
+            checks.append(check_wav(case.name, answer, speech))
             checks.append(check_first_audio(case.name, answer.report))
         if case.video:
             checks.append(check_prompt_tokens(case.name, answer.report, video_prompt_tokens()))
@@ -470,12 +300,12 @@ def _run_cases(ask: Callable[[Case], Answer], ttft_limit: float | None, peak_lim
 
 
 def _peak_limit(cfg: SmokeConfig, budget_seen: object) -> int | None:
-    """--max-peak, else --budget, else the budget the server or engine reports."""
+    """--max-peak, else the in-process engine's budget, else the budget the server or engine reports."""
     if cfg.max_peak is not None:
         return cfg.max_peak
-    if cfg.budget is not None:
-        return cfg.budget
-    value = _num(budget_seen)
+    if cfg.engine is not None and cfg.engine.budget is not None:
+        return cfg.engine.budget
+    value = as_number(budget_seen)
     return int(value) if value else None
 
 
@@ -489,7 +319,7 @@ def _read_key(path: str | None) -> str | None:
 
 def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
     """Run the checks. `engine` (tests) skips opening one for --model-dir."""
-    if (cfg.url is None) == (cfg.model_dir is None and engine is None):
+    if (cfg.url is None) == (cfg.engine is None and engine is None):
         raise UsageError("give exactly one of --url URL (a running server) or --model-dir DIR (in-process)")
     inputs = Inputs.make(cfg.audio_seconds, video=cfg.video)
     if cfg.url is not None:
@@ -503,8 +333,9 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         except SmokeRequestError:
             health = {}
         budget_seen = (health.get("memory") or {}).get("budget")
+        # a server does not report its chunk schedule: the default one, which every device profile has
         case_checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
-                                    _peak_limit(cfg, budget_seen), cfg.video)
+                                    _peak_limit(cfg, budget_seen), SpeechTuning(), cfg.video)
         checks += case_checks
         if cfg.voice_endpoints:
             checks += voice_checks(target)
@@ -512,20 +343,19 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         return SmokeResult(target=cfg.url, checks=tuple(checks))
     owned = engine is None
     if owned:
-        from ..engine import Engine, EngineConfig
+        from ..engine import Engine
 
-        engine = Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
-                                     power_backend=cfg.power_backend, sysfs_root=cfg.sysfs_root,
-                                     packed_cache=cfg.packed_cache))
+        engine = Engine(cfg.engine)
     try:
         budget_seen = (engine.memory() or {}).get("budget")
         target = EngineTarget(engine, cfg.voice, cfg.max_speech_seconds)
         checks, _ = _run_cases(lambda c: target.ask(c, inputs, cfg.max_new_tokens), cfg.max_ttft,
-                               _peak_limit(cfg, budget_seen), cfg.video)
+                               _peak_limit(cfg, budget_seen), engine.profile.speech, cfg.video)
     finally:
         if owned:
             engine.close()
-    return SmokeResult(target=cfg.model_dir or getattr(engine, "model_name", "engine"), checks=tuple(checks))
+    name = cfg.engine.model_dir if cfg.engine is not None else getattr(engine, "model_name", "engine")
+    return SmokeResult(target=name, checks=tuple(checks))
 
 
 def render_table(result: SmokeResult) -> str:

@@ -20,10 +20,9 @@ order, taking the activations' columns in that same order instead (a dot product
 order k runs: the GEMM's callers permute them once, ``nibble_order``; the GEMV gathers its one row in the
 kernel); the dequantizer writes in column order.
 
-Needs Triton (it comes with CUDA builds of torch): import this module only where
-``orin.int4pack.triton_available()`` says so; ``orin.int4pack`` falls back to tinygemm and to torch ops
-elsewhere. The kernels also run under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how the test
-suite checks them without a GPU.
+Needs Triton (it comes with CUDA builds of torch): import this module only where the device profile has Triton
+(orin.moe_backends.triton_runs); the torch backends run tinygemm and torch ops elsewhere. The kernels also run
+under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how the test suite checks them without a GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Tuned on an H200 at the thinker's shapes (BENCHMARKS.md): the grouped GEMM with 32-row blocks, 128 outputs,
+# Tuned on an H200 at the thinker's shapes: the grouped GEMM with 32-row blocks, 128 outputs,
 # 4 warps, 3 pipeline stages and one tl.dot per nibble position, activations in nibble order: 0.23 + 0.13 ms
 # for a layer's gate/up and down at 467 tokens, against 0.42 + 0.23 with the columns gathered in the kernel
 # (16-row blocks, 8 warps); one tl.dot per super-tile, or scales applied after the dot, were slower.
@@ -43,8 +42,8 @@ GEMM_BLOCK_N = 128
 GEMM_WARPS = 4
 GEMM_STAGES = 3
 # The dequantization's outputs per program and warps: every expert of a layer at once, 16 outputs a program ran at
-# 1.43-1.56 TB/s on the H200 against 0.91-0.98 at 32 and less at 64 or 128, with 4 or 8 warps (BENCHMARKS.md,
-# run 74: scripts/bench_long_moe_kernels.py at the talker's and the thinker's expert shapes; the same bits).
+# 1.43-1.56 TB/s on the H200 against 0.91-0.98 at 32 and less at 64 or 128, with 4 or 8 warps
+# (scripts/bench_long_moe_kernels.py at the talker's and the thinker's expert shapes; the same bits).
 DEQUANT_BLOCK_N = 16
 DEQUANT_WARPS = 4
 GEMV_BLOCK_N = 32

@@ -4,14 +4,14 @@ expert-sorted rows, weighted, summed and added to the token's hidden state.
 ``Int4Experts.add_long`` computes the experts' rows sorted by expert, a block of them at a time, and each token
 has up to k rows in a block (one per expert there). ``index_add_`` sums them with one bfloat16 atomic per
 element: at the thinker's widths 0.15 ms a block, seven times the block's memory traffic at the H200's
-bandwidth, and 166 ms of a 25k-token video prefill's 1.1 s of kernels (BENCHMARKS.md, run 57v). Here one
+bandwidth, and 166 ms of a 25k-token video prefill's 1.1 s of kernels on an H200. Here one
 program per BLOCK_T tokens and column block finds each token's rows through the inverse of the sort
 (``inv[t * k + j]``: where the token's j-th choice landed), reads the ones inside the block, and adds their
 weighted sum once, in float32: no atomics, the same bits on every run (for a given launch shape: the reduction's
 order follows the shape's layout), one rounding per element instead of one per row.
 
-Import only where ``orin.int4pack.triton_available()`` says so; the kernel also runs under ``TRITON_INTERPRET=1``
-(the tests).
+Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+``TRITON_INTERPRET=1`` (the tests).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 # Tokens and columns per program (a program's tokens' k rows of BLOCK_H float32 values stay in registers) and warps.
-# scripts/bench_long_moe_kernels.py on the H200, one layer of the 2 fps video case (BENCHMARKS.md, run 71): one token
+# scripts/bench_long_moe_kernels.py on the H200, one layer of the 2 fps video case: one token
 # and 512 columns a program took 1.10 ms a talker layer and 2.80 ms a thinker layer (750-810 GB/s); 1,024 columns
 # 0.34 and 0.88 ms (2,400-2,600 GB/s), the best of the shapes tried (more tokens a program, fewer columns, 8 warps).
 BLOCK_T = 1

@@ -1,16 +1,16 @@
 """A long prompt's per-head query/key RMSNorm and rotary embedding as one Triton kernel, written where the
 attention reads it (the queries' buffer, the KV cache).
 
-``orin.decoder_layer`` norms each head's projected queries and keys (HF's ``q_norm``/``k_norm``) and rotates
+``orin.attention`` norms each head's projected queries and keys (HF's ``q_norm``/``k_norm``) and rotates
 them: ``_rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``, then copies them into place. As torch ops that
 is eight launches per chunk and projection, each a pass over the chunk's [rows, heads, head_dim]: at a
-25k-token video's prefill, 4,700 of the thinker's 16,400 launches (BENCHMARKS.md, run 59v), at a point where
+25k-token video's prefill, 4,700 of the thinker's 16,400 launches, at a point where
 the host, not the GPU, sets the pace. Here one program per row does all of it, rounding to the tensors' dtype
 after each step as the torch ops do; only the norm's sum runs in another order (as torch's fused ``rms_norm``
 on CUDA already does against HF's module).
 
-Import only where ``orin.int4pack.triton_available()`` says so; the kernel also runs under ``TRITON_INTERPRET=1``
-(the tests).
+Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+``TRITON_INTERPRET=1`` (the tests).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def norm_rope_into(out: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps
         raise ValueError("norm_rope_into: out must be [heads, T, head_dim] and cos, sin [T, head_dim]")
     if T:
         # no fused multiply-adds: contracted across the roundings, a fifth of the elements came out a step away
-        # from the torch ops' (run 63); without, only the norm's sum order separates them
+        # from the torch ops'; without, only the norm's sum order separates them
         _norm_rope[(T,)](y, weight, cos, sin, out, heads, eps, y.stride(0), y.stride(1), cos.stride(0),
                          sin.stride(0), out.stride(0), out.stride(1), HD=hd, HALF=hd // 2,
                          BLOCK_HEADS=triton.next_power_of_2(heads), num_warps=4, enable_fp_fusion=False)

@@ -5,8 +5,9 @@ CUDA graph, ``torch.topk`` over 128 experts is two kernels (a bitonic sort and a
 of a decode step's device time, 48 times per token. Here one program per token takes its row of logits,
 softmax and k rounds of arg-max; the renormalisation stays in the caller, where torch.compile fuses it.
 
-Same picks as ``torch.topk`` except on exact ties (then the lowest expert id wins here). Import only where
-``orin.int4pack.triton_available()`` says so; the kernel also runs under ``TRITON_INTERPRET=1`` (the tests).
+Same picks as ``torch.topk`` except on exact ties (then the lowest expert id wins here). Import only where the
+device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under ``TRITON_INTERPRET=1`` (the
+tests).
 """
 
 from __future__ import annotations

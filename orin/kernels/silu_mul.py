@@ -4,11 +4,11 @@ zero-padded to the down projection's K.
 ``Int4Experts._act`` takes the gate and up halves of each row (strided slices of one [rows, 2 * I] tensor), so
 torch runs ``silu`` and the product as its generic strided kernels, each a pass of its own, then pads: at a
 25k-token video's talker prefill ``silu`` alone took 3.4 ms in 100 launches of its 155 ms of kernels
-(BENCHMARKS.md, run 70v). Here one pass reads each row's gate and up once and writes the padded product, rounding
+on an H200. Here one pass reads each row's gate and up once and writes the padded product, rounding
 silu's output to the tensor's dtype before the product as the torch ops do.
 
-Import only where ``orin.int4pack.triton_available()`` says so; the kernel also runs under ``TRITON_INTERPRET=1``
-(the tests).
+Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+``TRITON_INTERPRET=1`` (the tests).
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
-"""Energy from power samples: trapezoid integration over a window, per rail and per pipeline stage, and the
-report a request carries. Pure functions over `PowerSample`s; the sampling itself is orin.power.meter.
+"""Energy from power samples: trapezoid integration over a window, per rail and per pipeline stage, into the
+report a request carries (orin.contract's Energy and EnergyReport). Pure functions over `PowerSample`s; the
+sampling itself is orin.power.meter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
+from ..contract import Energy, EnergyReport
 from .backends import PowerSample
 
-
-@dataclass(frozen=True)
-class Energy:
-    """Energy over one window (or several, summed). `joules` is None when no reading covers the window: that
-    is "not measured", never zero. `covered_seconds` < `seconds` means readings cover only part of it."""
-
-    joules: float | None
-    mean_w: float | None
-    peak_w: float | None
-    seconds: float
-    covered_seconds: float = 0.0
-    samples: int = 0
-    count: int = 1
-
-    @property
-    def available(self) -> bool:
-        return self.joules is not None
-
-    @property
-    def complete(self) -> bool:
-        return self.available and self.covered_seconds >= self.seconds - 1e-9 * max(1.0, self.seconds)
-
-    def to_json(self) -> dict:
-        return {
-            "joules": self.joules, "mean_w": self.mean_w, "peak_w": self.peak_w, "seconds": self.seconds,
-            "covered_seconds": self.covered_seconds, "samples": self.samples, "count": self.count,
-            "complete": self.complete,
-        }
+__all__ = ["Energy", "EnergyReport", "combine", "integrate", "render_report"]  # the types are orin.contract's
 
 
 def _unmeasured(seconds: float, count: int = 1) -> Energy:
@@ -141,65 +115,6 @@ def integrate(samples: Sequence[PowerSample], start: float, end: float) -> tuple
                               b.rail_energy_j.get(rail)), dt=x1 - x0)
     rail_energy = {name: series.energy(seconds, inside) for name, series in sorted(rails.items())}
     return total.energy(seconds, inside), {k: v for k, v in rail_energy.items() if v.available}
-
-
-@dataclass(frozen=True)
-class EnergyReport:
-    """Energy of one request (or any measured window): the board total, each rail, and each pipeline stage
-    that ran inside it (a stage that ran several times is summed; nested stages are each counted in full)."""
-
-    name: str
-    backend: str
-    backends: tuple[str, ...]
-    total: Energy
-    rails: Mapping[str, Energy] = field(default_factory=dict)
-    by_stage: Mapping[str, Energy] = field(default_factory=dict)
-
-    @property
-    def joules(self) -> float | None:
-        return self.total.joules
-
-    @property
-    def mean_w(self) -> float | None:
-        return self.total.mean_w
-
-    @property
-    def peak_w(self) -> float | None:
-        return self.total.peak_w
-
-    @property
-    def seconds(self) -> float:
-        return self.total.seconds
-
-    @property
-    def available(self) -> bool:
-        return self.total.available
-
-    @property
-    def complete(self) -> bool:
-        return self.total.complete
-
-    @property
-    def note(self) -> str | None:
-        if not self.total.available:
-            return "power not measured: no power backend was reading during this window"
-        if not self.total.complete:
-            return (f"power readings cover {self.total.covered_seconds:.3f} s of {self.total.seconds:.3f} s; "
-                    "joules are for the covered part only")
-        return None
-
-    def to_json(self) -> dict:
-        out = {
-            "name": self.name, "backend": self.backend, "backends": list(self.backends),
-            "available": self.available, "complete": self.complete,
-            "joules": self.joules, "mean_w": self.mean_w, "peak_w": self.peak_w, "seconds": self.seconds,
-            "covered_seconds": self.total.covered_seconds, "samples": self.total.samples,
-            "rails": {name: e.to_json() for name, e in self.rails.items()},
-            "by_stage": {name: e.to_json() for name, e in self.by_stage.items()},
-        }
-        if self.note:
-            out["note"] = self.note
-        return out
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

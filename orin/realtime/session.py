@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..serve.voice import VoiceError, parse_voice
 from .audio import INPUT_FORMATS, OUTPUT_FORMATS, PCM_RATE
 from .events import EventError
 from .vad import ServerVad, VadConfigError
@@ -109,12 +110,15 @@ def parse_modalities(value: object, param: str) -> tuple[str, ...]:
     return (value[0],)
 
 
-def parse_voice(value: object, param: str, caps: Capabilities) -> str:
-    if isinstance(value, dict):
-        value = value.get("id")
-    if not isinstance(value, str) or value.strip().lower() not in caps.voices:
-        raise _bad(f"voice {value!r} is not one of this model's voices: {', '.join(caps.voices)}", param)
-    return value.strip().lower()
+def _voice(value: object, param: str, caps: Capabilities) -> str:
+    """orin.serve.voice's parse, its refusal as this protocol's error (invalid_value, naming the field)."""
+    try:
+        name = parse_voice(value, param, caps.voices)
+    except VoiceError as exc:
+        raise _bad(str(exc), exc.param) from exc
+    if name is None:  # {"id": null}: a setting names a voice, it cannot leave it to the default
+        raise _bad(f"'{param}' must name one of this model's voices: {', '.join(caps.voices)}", param)
+    return name
 
 
 def parse_max_tokens(value: object, param: str, caps: Capabilities) -> int | None:
@@ -218,7 +222,7 @@ def _audio_update(cfg: SessionConfig, audio: object, caps: Capabilities, *, spok
         if out.get("speed") not in (None, 1, 1.0):
             raise _bad("only speed 1.0 is supported: the model speaks at its own pace", "session.audio.output.speed")
         if out.get("voice") is not None:
-            voice = parse_voice(out["voice"], "session.audio.output.voice", caps)
+            voice = _voice(out["voice"], "session.audio.output.voice", caps)
             if spoke and voice != cfg.voice:
                 raise _bad("the voice cannot change once the model has answered with audio in this session",
                            "session.audio.output.voice")
@@ -270,7 +274,7 @@ def response_params(cfg: SessionConfig, obj: dict, caps: Capabilities) -> Respon
         if out.get("format") is not None:
             parse_format(out["format"], "response.audio.output.format", OUTPUT_FORMATS)
         if out.get("voice") is not None:
-            changes["voice"] = parse_voice(out["voice"], "response.audio.output.voice", caps)
+            changes["voice"] = _voice(out["voice"], "response.audio.output.voice", caps)
     conversation = obj.get("conversation")
     if conversation is not None:
         if conversation not in ("auto", "none"):

@@ -1,52 +1,40 @@
-"""Prompt tokens of a Realtime conversation, counted item by item with the engine's own processor, so the oldest
-items can be dropped to fit the model's context before a response.
+"""Prompt tokens of a Realtime conversation, counted item by item with the engine's own template and tokenizer,
+so the oldest items can be dropped to fit the model's context before a response.
 
-Each item is rendered alone by the checkpoint's chat template and tokenized, and each media placeholder counted
-as the tokens it expands to: an audio's `audio_token_count` of its Whisper frames (orin.audio_format), an
-image's patch grid after the processor's smart_resize. Qwen3-Omni's template renders each message on its own,
-so the sum over the items, the instructions' system message and the generation prompt is the prompt's length
-(the tests check it against the engine's count); a template that joins messages would make it an estimate.
-No media is featurised: counting costs a tokenization of the item's text.
+Each item is rendered alone by the checkpoint's chat template and tokenized (orin.engine.Engine.count_tokens), and
+each media placeholder counted as the tokens it expands to (Engine.audio_tokens: an audio's Whisper frames;
+Engine.image_tokens: an image's patch grid after the processor's resize). Qwen3-Omni's template renders each
+message on its own, so the sum over the items, the instructions' system message and the generation prompt is the
+prompt's length (the tests check it against the engine's count); a template that joins messages would make it an
+estimate. No media is featurised: counting costs a tokenization of the item's text.
 """
 
 from __future__ import annotations
 
-import math
-
-from ..audio_format import audio_token_count
 from .conversation import Item
 
 _PLACEHOLDER = {"audio": 1, "image": 1}  # the one pad token each medium's placeholder holds before expansion
 
 
 class TokenCounter:
-    def __init__(self, processor):
-        """`processor`: the engine's orin.inputs.Processor (its template, tokenizer, feature and image
-        settings)."""
-        self.processor = processor
+    def __init__(self, engine):
+        """`engine`: the served orin.engine.Engine (its count_tokens, audio_tokens and image_tokens)."""
+        self.engine = engine
         probe = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
         self.generation_prompt = self._length(probe, True) - self._length(probe, False)
 
     def _length(self, messages: list, generation_prompt: bool = False) -> int:
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-        return len(self.processor.tokenizer.encode(text))
+        return self.engine.count_tokens(messages, generation_prompt=generation_prompt)
 
     def system(self, text: str) -> int:
         """Tokens of the instructions' system message (0 when there are none)."""
         return self._length([{"role": "system", "content": [{"type": "text", "text": text}]}]) if text else 0
 
     def audio_tokens(self, samples_16k: int) -> int:
-        s = self.processor.log_mel.settings
-        return audio_token_count(math.ceil(samples_16k / s.hop_length), s.n_window)
+        return self.engine.audio_tokens(samples_16k)
 
     def image_tokens(self, image) -> int:
-        from ..inputs.image_patches import smart_resize
-
-        s = self.processor.patcher.settings
-        height, width = image.height, image.width
-        if s.do_resize:
-            height, width = smart_resize(height, width, s.factor, s.min_pixels, s.max_pixels)
-        return (height // s.patch_size) * (width // s.patch_size) // (s.merge_size ** 2)
+        return self.engine.image_tokens(image)
 
     def count(self, item: Item) -> Item:
         """Set the item's `tokens` (and of them `audio_tokens`, `image_tokens`); returns the item."""

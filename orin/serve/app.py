@@ -2,7 +2,8 @@
 
 The stack: uvicorn (HTTP/1.1 by h11, WebSockets by websockets) serving a Starlette application
 (orin.serve.routes) on a socket bound here (orin.serve.listener), in a thread with its own event loop; the
-protocol apart from HTTP in orin.serve.protocol. The GPU serves one generation at a time: a worker thread per
+protocol apart from HTTP in orin.serve.protocol, orin.serve.chat_request and orin.serve.audio_api. The server uses
+the engine's public methods only (orin.engine.Engine). The GPU serves one generation at a time: a worker thread per
 request waits its turn in a bounded FIFO (orin.serve.admission; full -> 429), runs the synchronous engine and
 hands its events to the event loop (orin.serve.worker). The responses, JSON or server-sent events, and the watch for
 a client that hangs up (it cancels the generation, also while queued) are orin.serve.streaming's.
@@ -32,6 +33,7 @@ from .protocol import Limits
 from .sdnotify import Notifier
 
 if TYPE_CHECKING:
+    from ..engine import EngineConfig
     from .listener import Listener
     from .worker import Hook
 
@@ -41,18 +43,12 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model_dir: str
+    engine: EngineConfig  # the model served and how it is loaded (ignored where Server is handed a loaded engine)
     host: str = "127.0.0.1"
     port: int = 8000
-    budget: int | None = None
     api_key_file: str | None = None
     max_queue: int = 4
     allow_dir: str | None = None
-    device: str = "auto"
-    power_backend: str = "auto"
-    power_hz: float = 10.0
-    sysfs_root: str = "/sys"
-    verify_checksums: bool = True
     warmup: bool = True
     max_body_bytes: int = 64 * MiB
     max_audio_seconds: float = 300.0
@@ -66,7 +62,6 @@ class ServeConfig:
     max_failures: int = 3
     max_connections: int = 64
     served_model_name: str | None = None  # None: the name recorded in the checkpoint's manifest
-    packed_cache: str | None = None  # orin.packed_cache's directory (None: convert INT4 layers on every load)
     # The Realtime API (orin.serve.realtime): sessions open at once; what a session beyond them, or a response
     # while the GPU is busy, gets ("wait": it waits; "error": an error event); the caps on one session
     realtime_max_sessions: int = 4
@@ -179,9 +174,11 @@ class Server:
         self.bind()
         try:
             if self.engine is None:
+                from ..engine import Engine
+
                 self.state = "loading"
-                self.notifier.status(f"loading {self.cfg.model_dir}")
-                self.worker.engine = open_engine(self.cfg)
+                self.notifier.status(f"loading {self.cfg.engine.model_dir}")
+                self.worker.engine = Engine(self.cfg.engine)
             self.model_name = self.cfg.served_model_name or self.engine.model_name
             self.engine.defer_captures(True)
             if self._stop_requested.is_set():
@@ -212,14 +209,13 @@ class Server:
         (the padded audio batch's attention, the FFTs of the features) and segment loading. Returns its report."""
         from ..contract import GenerationRequest
         from ..media import synth_image, synth_speechlike
-        from ..vocoder import every_shape_frames
 
         start = time.perf_counter()
         parts = [{"type": "audio", "audio": synth_speechlike(1.0)}, {"type": "audio", "audio": synth_speechlike(0.6)},
                  {"type": "image", "image": synth_image(64)}, {"type": "text", "text": "Hello."}]
-        # speech long enough for every chunk shape code2wav decodes (orin.vocoder), whatever the text's length
+        # speech long enough for every chunk shape code2wav decodes (the profile's schedule), whatever the text's length
         req = GenerationRequest(messages=({"role": "user", "content": parts},), max_new_tokens=4, speech=True,
-                                max_audio_frames=every_shape_frames(), ignore_eos=True)
+                                max_audio_frames=self.engine.profile.speech.every_shape_frames(), ignore_eos=True)
         with self.gate.turn():
             _text, _audio, report = self.engine.generate(req)
         log.info("warm-up done in %.2f s (ttft %.3f s)", time.perf_counter() - start, report.ttft_s or 0.0)
@@ -302,14 +298,6 @@ class Server:
                                    rss_bytes=process_rss_bytes())
 
 
-def open_engine(cfg: ServeConfig):
-    from ..engine import Engine, EngineConfig
-
-    return Engine(EngineConfig(model_dir=cfg.model_dir, device=cfg.device, budget=cfg.budget,
-                               power_backend=cfg.power_backend, power_hz=cfg.power_hz, sysfs_root=cfg.sysfs_root,
-                               verify_checksums=cfg.verify_checksums, packed_cache=cfg.packed_cache))
-
-
 # ---------------------------------------------------------------------- process entry
 
 
@@ -335,9 +323,9 @@ def configure_logging(env: Mapping[str, str]) -> None:
     root.setLevel(logging.INFO)
 
 
-def serve(cfg: ServeConfig, env: Mapping[str, str] | None = None) -> None:
-    """Run until SIGTERM or SIGINT. Under systemd ($NOTIFY_SOCKET), speaks the notify protocol."""
-    env = os.environ if env is None else env
+def serve(cfg: ServeConfig, env: Mapping[str, str]) -> None:
+    """Run until SIGTERM or SIGINT. Under systemd ($NOTIFY_SOCKET in `env`, the process's environment, which the
+    CLI hands over), speaks the notify protocol."""
     configure_logging(env)
     notifier = Notifier.from_env(env)
     server = Server(cfg, notifier=notifier)

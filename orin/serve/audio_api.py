@@ -36,8 +36,10 @@ from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from ..contract import AudioChunk, Done, TextDelta
 from ..errors import InputError
 from ..media import encode_pcm16
-from .protocol import ApiError, ChatRequest, Limits, dumps, generation_request, to_api_error
+from .chat_request import ChatRequest, generation_request
+from .protocol import ApiError, Limits, dumps, to_api_error
 from .streaming import CLIENT_CLOSED, STATUS_KEY, EngineResponse
+from .voice import parse_voice
 
 if TYPE_CHECKING:
     from ..contract import GenerationRequest, Report
@@ -343,21 +345,6 @@ def encodable_formats() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _voice(data: dict, known: tuple[str, ...]) -> str | None:
-    voice = data.get("voice")
-    if isinstance(voice, dict):
-        voice = voice.get("id")
-    if voice is None:
-        return None
-    if not known:
-        raise _bad("this checkpoint has no talker voices, so it cannot speak", "voice")
-    name = voice.strip().lower() if isinstance(voice, str) else None
-    if name not in known:
-        raise _bad(f"voice {voice!r} is not one of this model's voices; use one of: {', '.join(known)} (OpenAI's "
-                   "voice names such as 'alloy' are not this model's)", "voice", code="unsupported_voice")
-    return name
-
-
 def _speech_format(data: dict, stream_format: str, encodable: tuple[str, ...]) -> str:
     fmt = data.get("response_format")
     can = ", ".join(encodable)
@@ -397,7 +384,7 @@ def parse_speech(data: dict, known_voices: tuple[str, ...], encodable: tuple[str
     stream_format = data.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         raise _bad(f"stream_format {stream_format!r} is not supported; use 'audio' or 'sse'", "stream_format")
-    return SpeechRequest(input=text, model=model, voice=_voice(data, known_voices),
+    return SpeechRequest(input=text, model=model, voice=parse_voice(data.get("voice"), "voice", known_voices),
                          instructions=_bounded_text(style.strip() if style else None, "instructions"),
                          response_format=_speech_format(data, stream_format, encodable), stream_format=stream_format)
 

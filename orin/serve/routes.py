@@ -39,18 +39,9 @@ from .audio_api import (
     speech_request,
     transcription_request,
 )
+from .chat_request import generation_request, parse_chat
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .protocol import (
-    ApiError,
-    check_model,
-    dumps,
-    generation_request,
-    key_matches,
-    model_card,
-    parse_chat,
-    parse_json,
-    to_api_error,
-)
+from .protocol import ApiError, check_model, dumps, key_matches, model_card, parse_json, to_api_error
 from .realtime import realtime_route
 from .streaming import CLIENT_CLOSED, STATUS_KEY, ChatResponse
 
@@ -174,7 +165,8 @@ class _Api:
         if data is None:
             return _no_response
         # Decoding images and audio is CPU work: off the event loop.
-        req = await run_in_threadpool(parse_chat, data, srv.limits, max_bytes=srv.cfg.max_body_bytes)
+        req = await run_in_threadpool(parse_chat, data, srv.limits, srv.engine.voices,
+                                      max_bytes=srv.cfg.max_body_bytes)
         return ChatResponse(srv.worker, req, generation_request(req, srv.cfg.max_speech_seconds), srv.model_name,
                             srv.cfg.io_timeout_s)
 

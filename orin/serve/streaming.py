@@ -22,9 +22,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ..contract import AudioChunk, Done, TextDelta
 from .admission import Abandoned, Closed, QueueFull
+from .chat_request import ChatRequest
 from .protocol import (
     ApiError,
-    ChatRequest,
     audio_delta,
     chunk,
     completion_body,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
-from ..fsutil import atomic_dir, atomic_write_json, atomic_write_text
+from orin.errors import UsageError
+from orin.fsutil import atomic_dir, atomic_write_json, atomic_write_text
 
 # Byte-level base vocabulary: ids 0..255 are the 256 bytes, then whole-word role tokens (the talker finds
 # the user turns by the token right after <|im_start|>), then the special tokens, then padding up to 320.
@@ -165,7 +165,7 @@ def build_tiny_model(seed: int = 0):
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from ..modelcfg import fix_config, new_config
+    from quantize.hf_config import fix_config, new_config
 
     config = fix_config(new_config(tiny_config_dict()))
     torch.manual_seed(seed)
@@ -193,8 +193,8 @@ def _fix_init(model, seed: int) -> None:
 
 
 def build_processor():
-    """The tiny model's processor: its byte-level tokenizer and chat template in orin.processor's processor."""
-    from ..processor import make_processor
+    """The tiny model's processor: its byte-level tokenizer and chat template in quantize.hf_processor's processor."""
+    from quantize.hf_processor import make_processor
 
     return make_processor(_build_tokenizer(), CHAT_TEMPLATE)
 

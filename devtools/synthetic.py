@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import __version__
-from .. import components as C
-from ..errors import ModelError, UsageError
-from ..fsutil import atomic_dir, atomic_write_json, atomic_write_text
-from ..hub_names import is_fused_experts, to_hub
-from ..safetensors_stream import PlannedTensor, write_safetensors_stream
+from orin import __version__
+from orin import components as C
+from orin.errors import ModelError, UsageError
+from orin.fsutil import atomic_dir, atomic_write_json, atomic_write_text
+from orin.hub_names import is_fused_experts, to_hub
+from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
 
 # Special tokens the processor and chat template use, and where their ids live in the config.
 _SPECIAL_IDS = {
@@ -64,12 +64,12 @@ class SyntheticConfig:
 
 
 def config_dict(config: str) -> dict:
-    """The config.json content for `config` ("tiny" is orin.devtools.tiny's model)."""
+    """The config.json content for `config` ("tiny" is devtools.tiny's model)."""
     if config == TINY:
         from .tiny import tiny_config_dict
 
         return tiny_config_dict()
-    from ..modelcfg import read_config_dict
+    from orin.modelcfg import read_config_dict
 
     return read_config_dict(config)
 
@@ -153,7 +153,7 @@ def _init_kind(module_class: str, param: str, ndim: int) -> tuple[str, float]:
 def _gptq_plan(path: str, K: int, N: int, g: int, bias: bool) -> list[PlannedTensor]:
     import torch
 
-    from ..gptq_format import PACK
+    from orin.gptq_format import PACK
 
     groups = -(-K // g)
     out = [
@@ -180,7 +180,7 @@ def random_experts_gptq(E: int, K: int, N: int, g: int, *, generator, device) ->
     like `random_gptq_v1(K, N, g)`: codes uniform 0..15 (random words), zero points 4..11, scales 0.002..0.01."""
     import torch
 
-    from ..gptq_format import PACK, V1_ZERO_OFFSET
+    from orin.gptq_format import PACK, V1_ZERO_OFFSET
 
     if K % g or N % PACK:
         raise ValueError(f"stacked experts need K % g == 0 and N % 8 == 0, got K={K}, N={N}, g={g}")
@@ -234,7 +234,7 @@ class _Segment:
     def _runtime_tensors(self) -> Iterator[tuple[str, object]]:
         import torch
 
-        from ..gptq_format import random_gptq_v1
+        from orin.gptq_format import random_gptq_v1
 
         for name, shape, dtype, (kind, value) in self.plain:
             if kind == "const":
@@ -273,18 +273,18 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     """Write the random checkpoint to cfg.out (built in OUT/.synthetic.tmp, renamed into place). Returns OUT."""
     import torch
 
-    from ..checkpoint_layout import model_quantization_config, segment_shards, write_config_files, write_index
-    from ..layout import QuantSpec, find_targets
-    from ..loader import params_on_meta
-    from ..manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
-    from ..model import OmniModel
-    from ..model_config import load_omni_config
+    from orin.checkpoint_layout import model_quantization_config, segment_shards, write_config_files, write_index
+    from orin.layout import QuantSpec, find_targets
+    from orin.manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
+    from orin.model import OmniModel
+    from orin.model_config import load_omni_config
+    from orin.skeleton import params_on_meta
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not cfg.force:
         raise UsageError(f"{out} exists and is not empty; pass --force to overwrite it")
     data = config_dict(cfg.config)
-    from ..device import pick_device
+    from orin.device.select import pick_device
 
     device = pick_device(cfg.device)
     spec = QuantSpec(group_size=cfg.group_size)

@@ -5,8 +5,9 @@ Whether these paths compute the right thing is tests/test_device_kernels.py's jo
   (StaticDecoder.prefill's `graph`), a decode step and a code-predictor frame under torch.profiler, and HF's own
   code predictor generate() for comparison; with the engine's torch.compile setting.
 - `prefill_timings`: one thinker MoE layer's experts and its q_proj over a prompt's worth of rows on each INT4
-  route (the modules' `route` parameter: grouped against tinygemm per expert, dense against tinygemm), and the
-  encoders as the engine calls them.
+  route (grouped against tinygemm per expert: the MoE backend the layer runs on against one built from a profile
+  that sends every row count to tinygemm; dense against tinygemm: the projection's buffers loaded again under
+  profiles whose dense route starts at 0 rows or never), and the encoders as the engine calls them.
 - `profile_steps` / `profile_once` / `profile_events`: torch.profiler summaries (top kernels by device time).
 """
 
@@ -81,7 +82,7 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
     predictor resident): fresh decoders, released afterwards, so the engine's own keep their caches and graphs."""
     import torch
 
-    from ..decode import CodePredictor, StaticDecoder
+    from orin.decode import CodePredictor, PrefillInputs, StaticDecoder
 
     dev, model = engine.device, engine.model
     compile = engine.decoders.compile
@@ -93,12 +94,13 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
         ids = _random_ids(gen, lm.config.vocab_size, prefill_rows, dev)
         positions = torch.arange(prefill_rows, device=dev).view(1, 1, -1).expand(3, 1, -1)
         embeds = lm.embed_tokens(ids)
-        dec = StaticDecoder(lm, thinker.lm_head, dev, compile)
+        dec = StaticDecoder(lm, thinker.lm_head, dev, engine.profile, compile)
         try:
             # eager: the layer function launched from the host; graph: replayed from the bucket's CUDA graph
             for name, graph in (("eager", False), ("graph", True)):
                 out[f"prefill_{name}_ms"], _ = timed_ms(
-                    lambda g=graph: dec.prefill(embeds[0], positions, prefill_rows + 8 + steps, graph=g), 3)
+                    lambda g=graph: dec.prefill(PrefillInputs(embeds[0], positions, prefill_rows + 8 + steps),
+                                                graph=g), 3)
             out["prefill_graph_captures"] = dec.prefill_captures
             token = int(ids[0, -1])
             out["thinker_step"] = profile_steps(lambda: dec.step(token), steps)
@@ -109,7 +111,7 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
         H = model.config.talker_config.text_config.hidden_size
         past = torch.randn((1, 1, H), generator=gen, device=dev).to(engine.dtype)
         first = talker.model.codec_embedding(torch.tensor([[5]], device=dev))
-        predictor = CodePredictor(model, dev, compile)
+        predictor = CodePredictor(model, dev, engine.profile, compile)
         try:
             out["code_predictor_frame"] = profile_steps(lambda: predictor.run(past, first), 8)
             out["code_predictor_compile_error"] = predictor.runner.compile_error
@@ -120,12 +122,12 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
 
 def prefill_timings(engine, rows: int = 467, prompt=None) -> dict:
     """The prefill's INT4 routes on one thinker MoE layer of the loaded model over `rows` random rows: its
-    experts on the route the module picks for that many rows against tinygemm per expert (the few-rows route),
+    experts on the route their backend takes for that many rows against tinygemm per expert (the few-rows route),
     its q_proj dense (dequantize + GEMM) against tinygemm; with `prompt` (a prepared request, orin.prompt.Prompt)
     the audio and vision encoders as the engine calls them, each call synchronised."""
     import torch
 
-    from ..int4 import Int4Experts, Int4Linear, kernel_errors
+    from orin.int4 import Int4Experts, Int4Linear
 
     out: dict = {"rows": rows}
     dev = engine.device
@@ -137,12 +139,15 @@ def prefill_timings(engine, rows: int = 467, prompt=None) -> dict:
         w, idx = layer.mlp.gate(h)
         experts, q = layer.mlp.experts, layer.self_attn.q_proj
         if isinstance(experts, Int4Experts):
+            out["moe_backend"] = experts.backend.name
             out["moe_route"] = experts.route_for(h, idx.shape[1])
-            out["moe_per_expert_ms"], _ = timed_ms(lambda: experts(h, idx, w, route="tinygemm"))
+            per_expert = type(experts.backend)(_with(engine.profile, "moe", grouped_min_rows_per_expert=1 << 62))
+            out["moe_per_expert_ms"], _ = timed_ms(lambda: per_expert.prefill(experts, h, idx, w))
             out["moe_grouped_ms"], _ = timed_ms(lambda: experts(h, idx, w))
         if isinstance(q, Int4Linear):
-            out["q_proj_tinygemm_ms"], _ = timed_ms(lambda: q(h, route="tinygemm"))
-            out["q_proj_dense_ms"], _ = timed_ms(lambda: q(h, route="dense"))
+            for route, first_row in (("tinygemm", 1 << 62), ("dense", 0)):
+                twin = _linear_twin(q, _with(engine.profile, "prefill", linear_dequant_min_rows=first_row))
+                out[f"q_proj_{route}_ms"], _ = timed_ms(lambda twin=twin: twin(h))
         if prompt is not None:
             x = {k: (v.to(dev) if hasattr(v, "to") else v) for k, v in prompt.inputs.items()}
             # eager, then replayed from its CUDA graph (what an all-resident request runs)
@@ -153,8 +158,23 @@ def prefill_timings(engine, rows: int = 467, prompt=None) -> dict:
                 if "pixel_values" in x:
                     out[f"vision_encoder{suffix}_ms"], _ = timed_ms(
                         lambda g=graph: engine.thinker.encode_image(x, prompt, graph=g), 5)
-    out["kernel_errors"] = kernel_errors()
     return out
+
+
+def _with(profile, group: str, **numbers):
+    """`profile` with some numbers of one of its tuning groups replaced."""
+    from dataclasses import replace
+
+    return replace(profile, **{group: replace(getattr(profile, group), **numbers)})
+
+
+def _linear_twin(q, profile):
+    """An Int4Linear over q's very buffers, run as `profile` says (its dense route's first row count)."""
+    from orin.int4 import Int4Linear
+
+    twin = Int4Linear(q.in_features, q.out_features, bias=q.has_bias)
+    tensors, meta = q.packed_state()
+    return twin.load_packed_(tensors, meta, q.weight_packed.device, profile=profile)
 
 
 __all__ = ["decode_timings", "prefill_timings", "profile_events", "profile_steps", "timed_ms"]

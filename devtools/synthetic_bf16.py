@@ -8,9 +8,9 @@ with model.safetensors.index.json. Speed and memory of quantizing do not depend 
 layer figures measured on it extrapolate to the real 48 layers. The talker reads the thinker's hidden states at
 `accept_hidden_layer` (24): with fewer thinker layers it reads the last one.
 
-Values are transformers' initialisation (normal 0.02; norms one, biases zero: orin.devtools.synthetic's table),
+Values are transformers' initialisation (normal 0.02; norms one, biases zero: devtools.synthetic's table),
 drawn on the GPU when there is one and streamed to disk tensor by tensor (orin.safetensors_stream), so the
-checkpoint is never in memory whole. The tokenizer and chat template are orin.devtools.synthetic's.
+checkpoint is never in memory whole. The tokenizer and chat template are devtools.synthetic's.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
-from ..fsutil import atomic_dir, atomic_write_json, atomic_write_text
-from ..hub_names import is_fused_experts, to_hub, unfused_names
-from ..safetensors_stream import PlannedTensor, write_safetensors_stream
+from orin.errors import UsageError
+from orin.fsutil import atomic_dir, atomic_write_json, atomic_write_text
+from orin.hub_names import is_fused_experts, to_hub, unfused_names
+from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
 
 DEFAULT_SHARD_BYTES = 4 << 30
 
@@ -60,7 +60,7 @@ def bf16_config(config: str, thinker_layers: int | None) -> dict:
 class _Entry:
     name: str  # hub name
     shape: tuple[int, ...]
-    init: tuple[str, float]  # orin.devtools.synthetic._init_kind
+    init: tuple[str, float]  # devtools.synthetic._init_kind
 
     @property
     def nbytes(self) -> int:
@@ -75,9 +75,10 @@ def plan_tensors(data: dict) -> list[_Entry]:
     fused experts of transformers' tree."""
     import torch
 
-    from ..loader import params_on_meta
-    from ..model import OmniModel
-    from ..model_config import omni_config
+    from orin.model import OmniModel
+    from orin.model_config import omni_config
+    from orin.skeleton import params_on_meta
+
     from .synthetic import _init_kind
 
     with params_on_meta():
@@ -128,8 +129,9 @@ def write_synthetic_bf16(cfg: SyntheticBF16Config, log: Callable[[str], None] = 
     """Write the checkpoint to cfg.out (built in OUT/.synthetic-bf16.tmp, renamed into place). Returns OUT."""
     import torch
 
-    from ..checkpoint_layout import INDEX_NAME
-    from ..device import pick_device
+    from orin.checkpoint_layout import INDEX_NAME
+    from orin.device.select import pick_device
+
     from .synthetic import synthetic_tokenizer
     from .tiny import CHAT_TEMPLATE
 

@@ -38,7 +38,7 @@ def _read_to_device(path: Path, device, size: int, parallel: bool) -> float:
     the loader reads (orin.block_reader.read_span)."""
     import torch
 
-    from ..block_reader import read_span
+    from orin.block_reader import read_span
 
     pinned = torch.empty(BLOCK, dtype=torch.uint8, pin_memory=device.type == "cuda")
     target = torch.empty(size, dtype=torch.uint8, device=device)
@@ -61,7 +61,7 @@ def _read_to_device(path: Path, device, size: int, parallel: bool) -> float:
     if device.type == "cuda":
         # the file-sized block goes back to the driver: left in the allocator's cache, the next engine's loader
         # counted it as the process's own from before (orin.loader: the cap), and the first time-sliced run
-        # after it held 21.4 GiB under an 18 GiB budget (BENCHMARKS.md, run 44)
+        # after it held gigabytes over its budget
         torch.cuda.empty_cache()
     return seconds
 

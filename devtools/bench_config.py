@@ -1,13 +1,13 @@
 """The benchmark's settings and its standard request: one user turn with images, an audio clip and a short
 instruction, answered with a fixed number of text tokens and speech frames (EOS ignored on every side, so every
-side does the same work). Shared by the engine side (orin.devtools.bench_engine) and the HF reference
-(orin.devtools.bench_hf).
+side does the same work). Shared by the engine side (devtools.bench_engine) and the HF reference
+(devtools.bench_hf).
 
-The video cases (`video_seconds` > 0; issue 16): per sampling rate, one user turn with one image, a video of
+The video cases (`video_seconds` > 0): per sampling rate, one user turn with one image, a video of
 `video_seconds` with its soundtrack (audio in video) and the instruction, answered as the standard request is.
 The clip is built as already decoded (orin.video.Video: pseudo-random frames at `video_size`², the count that
 orin.video.sampled_frames gives, and a speech-like soundtrack), so no run pays a two-minute decode; what decoding
-costs is timed once apart (orin.devtools.bench.video_decode_timing)."""
+costs is timed once apart (devtools.bench.video_decode_timing)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import gc
 import logging
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from orin.engine import EngineConfig
+from orin.errors import UsageError
 
 GiB = 1 << 30
 
 # The all-resident runs' names, per torch.compile setting: graphs are always used on CUDA where the weights stay
 # put, so "graph" is the plain layer function replayed and "compiled" the same through torch.compile. The names
-# are the JSON's and BENCHMARKS.md's (runs "orin_graph", "orin_compiled").
+# are the JSON's run keys ("orin_graph", "orin_compiled").
 RUN_NAMES = {False: "graph", True: "compiled"}
 _SWITCH = {"on": True, "off": False}
 
@@ -30,11 +31,13 @@ log = logging.getLogger("orin.devtools.bench")
 
 @dataclass(frozen=True)
 class BenchConfig:
+    # How every run's engine opens the checkpoint (device, power backend, device profile: orin.engine.EngineConfig);
+    # its model_dir is an existing quantized checkpoint's, "" with synthetic=True (written under workdir). Each run
+    # sets its own budget, compile, prefetch and packed copies (devtools.bench_engine.open_engine).
+    engine: EngineConfig = EngineConfig(model_dir="")
     config: str | None = None  # config.json / checkpoint dir / "tiny"; with synthetic=True
-    model_dir: str | None = None  # an existing quantized checkpoint instead
     synthetic: bool = False
     workdir: str = "build/bench"
-    device: str = "auto"
     audio_seconds: float = 30.0
     images: int = 1
     image_size: int = 224
@@ -48,7 +51,6 @@ class BenchConfig:
     # One all-resident engine per torch.compile setting, in this order; the last one also runs time-sliced.
     compile: tuple[bool, ...] = (False, True)
     profile: bool = True
-    power_backend: str = "auto"
     json_out: str | None = None
     seed: int = 0
     hf_repeats: int = 2
@@ -60,8 +62,8 @@ class BenchConfig:
     video_size: int = 448
     video_only: bool = False  # only the extra cases (video, realtime): no standard request, time-sliced runs,
     # kernels or profile
-    # The Realtime API case (issue 17): a spoken question (an audio file), streamed to the real server's WebSocket
-    # as a microphone would, on the first setting's engine (orin.devtools.bench_realtime); None: not run.
+    # The Realtime API case: a spoken question (an audio file), streamed to the real server's WebSocket
+    # as a microphone would, on the first setting's engine (devtools.bench_realtime); None: not run.
     realtime_question: str | None = None
 
 
@@ -92,8 +94,8 @@ class BenchInputs:
 
 
 def make_inputs(cfg: BenchConfig) -> BenchInputs:
-    from ..audio_format import INPUT_SAMPLE_RATE
-    from ..media import synth_image, synth_speechlike
+    from orin.audio_format import INPUT_SAMPLE_RATE
+    from orin.media import synth_image, synth_speechlike
 
     images = [synth_image(cfg.image_size, seed=cfg.seed + i) for i in range(cfg.images)]
     audio = synth_speechlike(cfg.audio_seconds, INPUT_SAMPLE_RATE, seed=cfg.seed) if cfg.audio_seconds > 0 else None
@@ -121,20 +123,20 @@ class VideoCase:
 
 
 def _rate() -> int:
-    from ..audio_format import INPUT_SAMPLE_RATE
+    from orin.audio_format import INPUT_SAMPLE_RATE
 
     return INPUT_SAMPLE_RATE
 
 
 def video_tokens(frames: int, height: int, width: int) -> int:
     """The thinker tokens of a clip's frames: one per 2x2 merge of 16-pixel patches, two frames a temporal grid."""
-    from ..video import FRAME_FACTOR, TEMPORAL_PATCH
+    from orin.video import FRAME_FACTOR, TEMPORAL_PATCH
 
     return (frames // TEMPORAL_PATCH) * (height // FRAME_FACTOR) * (width // FRAME_FACTOR)
 
 
 def check_video(cfg: BenchConfig) -> None:
-    from ..video import FRAME_FACTOR, VideoOptions
+    from orin.video import FRAME_FACTOR, VideoOptions
 
     if cfg.video_seconds < 0:
         raise UsageError(f"--video-seconds {cfg.video_seconds:g} must be 0 (no video case) or more")
@@ -160,8 +162,8 @@ def synth_video(seconds: float, fps: float, size: int, seed: int = 0):
     `seconds` at 16 kHz."""
     import numpy as np
 
-    from ..media import synth_speechlike
-    from ..video import Video, VideoOptions, sampled_frames
+    from orin.media import synth_speechlike
+    from orin.video import Video, VideoOptions, sampled_frames
 
     n = sampled_frames(seconds, VideoOptions(fps=fps, max_frame_pixels=size * size))
     frames = np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
@@ -179,7 +181,7 @@ def make_video_cases(cfg: BenchConfig) -> list[VideoCase]:
     """One case per --video-fps, the lowest rate first: [one image (if --images >= 1)] + the clip with its soundtrack
     + the instruction. The order matters to the engine: its static KV caches keep the largest size a request has
     needed, and decode attends over all of it, so a shorter prompt after a longer one decodes as the longer."""
-    from ..media import synth_image
+    from orin.media import synth_image
 
     if not cfg.video_seconds:
         return []
@@ -196,7 +198,7 @@ def make_video_cases(cfg: BenchConfig) -> list[VideoCase]:
 
 def bench_request(cfg: BenchConfig, inputs: BenchInputs, **overrides):
     """The standard request (orin.contract.GenerationRequest); `overrides` change its fields (short requests)."""
-    from ..contract import GenerationRequest
+    from orin.contract import GenerationRequest
 
     args = dict(messages=inputs.messages, max_new_tokens=cfg.text_tokens, speech=cfg.audio_frames > 0,
                 voice=cfg.voice, max_audio_frames=max(cfg.audio_frames, 1), ignore_eos=True)
@@ -214,7 +216,7 @@ def sync(device) -> None:
 def free(device) -> None:
     """Give what the last part held back to the driver before the next part measures its peak. torch.compile's
     caches keep the compiled decoders (their KV caches and CUDA graphs) of a closed engine alive: they are reset
-    too, else the next engine's figures carry them (3.4 GiB into the first time-sliced run, BENCHMARKS.md run 42)."""
+    too, else the next engine's figures carry them (gigabytes of the last engine's caches in the next one's peak)."""
     import sys
 
     import torch

@@ -12,7 +12,8 @@ above, its KV reads at the long context included."""
 
 from __future__ import annotations
 
-from .. import components as C
+from orin import components as C
+from orin.device.profile import ORIN as ORIN_PROFILE
 
 # Jetson AGX Orin 64 GB: LPDDR5 shared by CPU and GPU; dense FP16 tensor rate of the GPU (half its 170 sparse
 # INT8 TOPS, halved again for FP16); the fraction of each a decode/prefill kernel mix reaches (assumed); and how
@@ -43,8 +44,8 @@ def active_bytes(config) -> dict:
     """Bytes read per step from resident weights, per stage, in the INT4 layout the runtime holds: every
     projection and norm of a layer, the router's top-k share of the experts, the head; one embedding row only.
     The code predictor runs its layers once per residual code group, each time with one of its heads."""
-    from ..layout import QuantSpec, find_targets, target_runtime_bytes
-    from ..plan import meta_model
+    from orin.layout import QuantSpec, find_targets, target_runtime_bytes
+    from orin.model_sizes import meta_model
 
     model = meta_model(config)
     targets = {t.path: t for t in find_targets(model, QuantSpec())}
@@ -76,7 +77,7 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     (ORIN), and from the stages measured here: the eager encoders scaled by the host slowdown, the
     graph-replayed prefill by the GPU slowdown. A projection, not a
     measurement: `measured` is the fastest all-resident run of this benchmark."""
-    from ..model_config import load_omni_config
+    from orin.model_config import load_omni_config
 
     config = load_omni_config(model_dir)
     th = config.thinker_config.text_config
@@ -88,8 +89,8 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     bw = ORIN["bandwidth"] * ORIN["efficiency_bw"]
     flops = ORIN["fp16_tensor_flops"] * ORIN["efficiency_flops"]
     # Prefill: 2 FLOPs per active weight per token; all experts are touched by a few hundred tokens.
-    from ..layout import QuantSpec
-    from ..plan import size_model
+    from orin.layout import QuantSpec
+    from orin.model_sizes import size_model
 
     sizes = size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
     enc = sizes.components["audio_encoder"].params + sizes.components["vision_encoder"].params
@@ -104,7 +105,7 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     prefill_scaled = (stages.get("thinker_prefill") or 0) * ORIN["gpu_slowdown"]
     token_s = token_bytes / bw
     frame_s = frame_bytes / bw
-    first_chunk = C.CODE2WAV_FIRST_CHUNK
+    first_chunk = ORIN_PROFILE.speech.code2wav_first_chunk
     ttft = max(prefill_floor, launch_bound + prefill_scaled)
     return {
         "assumptions": dict(ORIN),
@@ -132,13 +133,13 @@ def _attention_flops(tokens: int, layers: int, width: int, causal: bool = True) 
 
 def video_flops(config, counts: dict, sizes=None) -> dict:
     """FLOPs of a video request's compute-bound stages (`counts`: prompt_tokens, audio_tokens, image_tokens,
-    video_grids as orin.devtools.bench_engine.prompt_counts gives them). 2 FLOPs per weight per row: the vision
+    video_grids as devtools.bench_engine.prompt_counts gives them). 2 FLOPs per weight per row: the vision
     encoder per patch (each temporal grid attends within itself; the image's patches counted too), the audio
     encoder per output frame (its conv front end and windowed attention left out: a few % of it), the thinker
     and the talker per prompt token over their active weights (8 of 128 experts; INT4 ~2 weights a byte), plus
     their causal attention over the whole prompt."""
-    from ..layout import QuantSpec
-    from ..plan import size_model
+    from orin.layout import QuantSpec
+    from orin.model_sizes import size_model
 
     sizes = sizes or size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
     th, tk = config.thinker_config.text_config, config.talker_config.text_config
@@ -168,9 +169,9 @@ def video_projection(model_dir: str, counts: dict, text_tokens: int, audio_frame
     `decode_s_per_video_s` the measured software decode of an encoded clip (PyAV) on this host, scaled by the host
     slowdown over `video_seconds` (the Orin's NVDEC would be faster: not used here). A projection, not a
     measurement."""
-    from ..layout import QuantSpec
-    from ..model_config import load_omni_config
-    from ..plan import size_model
+    from orin.layout import QuantSpec
+    from orin.model_config import load_omni_config
+    from orin.model_sizes import size_model
 
     config = load_omni_config(model_dir)
     sizes = size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
@@ -192,7 +193,7 @@ def video_projection(model_dir: str, counts: dict, text_tokens: int, audio_frame
     token_s = 1 / base["thinker_tokens_per_s"]
     frame_s = 1 / base["talker_frames_per_s"]
     ttft = prepare + stages["encode"]["s"] + stages["thinker_prefill"]["s"]
-    first_chunk = C.CODE2WAV_FIRST_CHUNK
+    first_chunk = ORIN_PROFILE.speech.code2wav_first_chunk
     first_audio = ttft + stages["talker_prefill"]["s"] + (first_chunk + 1) * token_s + first_chunk * frame_s
     th, tk = config.thinker_config.text_config, config.talker_config.text_config
     ctx = counts["prompt_tokens"] + text_tokens

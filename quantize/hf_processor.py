@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .audio_format import INPUT_SAMPLE_RATE
-from .errors import ModelError
+from orin.audio_format import INPUT_SAMPLE_RATE
+from orin.errors import ModelError
 
 
 def build_processor(model_dir: str | Path):

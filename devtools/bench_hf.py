@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..units import format_bytes
+from orin.units import format_bytes
+
 from .bench_config import BenchConfig, BenchInputs, VideoCase, free, sync
 from .bench_report import ttft_stats
 
@@ -41,7 +42,7 @@ def build_hf_model(model_dir: str, device, seed: int):
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from ..modelcfg import load_config
+    from quantize.hf_config import load_config
 
     config = load_config(model_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -112,10 +113,10 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn: Callab
     and the video cases run."""
     import torch
 
-    from ..power.meter import PowerConfig, PowerMeter
-    from ..processor import build_processor
+    from orin.power.meter import PowerConfig, PowerMeter
+    from quantize.hf_processor import build_processor
 
-    device = torch.device("cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model, dtype, fixed = build_hf_model(model_dir, device, cfg.seed)
     sync(device)
@@ -124,10 +125,10 @@ def run_hf(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_fn: Callab
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     processor = build_processor(model_dir)
     if videos:
-        from ..inputs.processor import Processor
+        from orin.inputs.processor import Processor
 
         proc = Processor.from_dir(model_dir)
-    meter = PowerMeter.from_config(PowerConfig(backend=cfg.power_backend)).start()
+    meter = PowerMeter.from_config(PowerConfig(backend=cfg.engine.power_backend)).start()
     speech = cfg.audio_frames > 0
 
     def prepare():
@@ -317,7 +318,7 @@ def _videos(videos, video_case, record, device) -> None:
         try:
             value = video_case(case)
         except Exception as exc:  # noqa: BLE001 - recorded, the next case still runs
-            logging.getLogger("orin.devtools.bench").exception("HF video case %s failed", case.name)
+            logging.getLogger("devtools.bench").exception("HF video case %s failed", case.name)
             value = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
         finally:
             free(device)

@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .. import components as C
-from ..units import format_bytes
+from orin import components as C
+from orin.units import format_bytes
+
 from .bench_config import BenchConfig, BenchInputs, GiB, VideoCase, bench_request, free, run_name, sync
 from .bench_kernels import decode_timings, prefill_timings, profile_events, profile_once
 from .bench_report import ttft_stats
@@ -40,27 +41,25 @@ class Streamed:
 
 def open_engine(cfg: BenchConfig, model_dir: str, budget: int | None, compile: bool, prefetch: bool = True,
                 observer=None):
-    from ..engine import Engine, EngineConfig
-    from ..packed_cache import resolve_dir
+    from orin.engine import Engine
+    from orin.packed_cache import resolve_dir
 
     # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
-    return Engine(EngineConfig(model_dir=model_dir, device=cfg.device, budget=budget,
-                               power_backend=cfg.power_backend, verify_checksums=not cfg.synthetic,
-                               compile=compile, prefetch=prefetch,
-                               packed_cache=resolve_dir(cfg.packed_cache, model_dir)), observer=observer)
+    return Engine(replace(cfg.engine, model_dir=model_dir, budget=budget, compile=compile, prefetch=prefetch,
+                          verify_checksums=cfg.engine.verify_checksums and not cfg.synthetic,
+                          packed_cache=resolve_dir(cfg.packed_cache, model_dir)), observer=observer)
 
 
-def warm_chunks() -> int:
-    """Audio chunks after which a warm-up is cancelled: those of orin.vocoder.every_shape_frames, so the measured
+def warm_chunks(engine) -> int:
+    """Audio chunks after which a warm-up is cancelled: those of the engine's every_shape_frames, so the measured
     request meets no code2wav shape for the first time (a warm-up cut at its first packet left five of six)."""
-    from ..vocoder import chunk_count, every_shape_frames
-
-    return chunk_count(every_shape_frames())
+    speech = engine.profile.speech  # code2wav's chunk schedule (orin.device.profile.SpeechTuning)
+    return speech.chunk_count(speech.every_shape_frames())
 
 
 def stream_request(engine, request, cancel_after_chunks: int = 0) -> Streamed:
     """Run one request to its Done, or cancel it once `cancel_after_chunks` audio chunks are out (0: never)."""
-    from ..contract import AudioChunk, Done
+    from orin.contract import AudioChunk, Done
 
     cancel = threading.Event()
     t0 = time.perf_counter()
@@ -130,7 +129,7 @@ def _load_all(engine) -> dict:
 
 def _measure_resident(engine, cfg: BenchConfig, inputs: BenchInputs, name: str, loaded: dict, log_fn) -> dict:
     t0 = time.perf_counter()
-    warm = stream_request(engine, bench_request(cfg, inputs), cancel_after_chunks=warm_chunks())
+    warm = stream_request(engine, bench_request(cfg, inputs), cancel_after_chunks=warm_chunks(engine))
     warm_s = time.perf_counter() - t0
     log_fn(f"[{name}] warm-up {warm_s:.1f} s (ttft {warm.report.ttft_s or 0:.3f} s)")
     report = stream_request(engine, bench_request(cfg, inputs)).report
@@ -185,7 +184,7 @@ def phase_peaks(device):
     which phase of a request sets its peak. The engine's RequestState.mark is wrapped for the block's length."""
     import torch
 
-    from ..request_state import RequestState
+    from orin.request_state import RequestState
 
     peaks: dict[str, int] = {}
     if device.type != "cuda":
@@ -215,11 +214,11 @@ def measure_video(engine, cfg: BenchConfig, case: VideoCase, name: str, log_fn) 
     cuda = engine.device.type == "cuda"
     counts = prompt_counts(engine.prepare(bench_request(cfg, case.inputs)))
     t0 = time.perf_counter()
-    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks())
+    stream_request(engine, bench_request(cfg, case.inputs), cancel_after_chunks=warm_chunks(engine))
     warm_s = time.perf_counter() - t0
-    # Measured twice, as HF is (orin.devtools.bench_hf), and the faster reported: one request's TTFT moved by
-    # 0.2 s between runs on the lent host (runs 51-52), its unchanged vision encoder alike. The peak is the
-    # larger of the two.
+    # Measured twice, as HF is (devtools.bench_hf), and the faster reported: one request's TTFT moves by tenths
+    # of a second between runs on a shared host, its unchanged vision encoder alike. The peak is the larger of
+    # the two.
     runs = []
     for _ in range(2):
         free(engine.device)  # the warm-up's cached blocks do not count in the measured peak
@@ -285,13 +284,13 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
                     record(f"error:orin_{name}", f"{type(exc).__name__}: {exc}"[:1000])
             if i == 0:  # after the standard request's figures, which stay comparable with earlier runs'
                 for case in videos:
-                    free(cfg.device)
+                    free(cfg.engine.device)
                     record(f"video:{case.name}", _attempt(case.name, lambda e=engine, c=case, n=name: measure_video(
                         e, cfg, c, n, log_fn)))
                 if cfg.realtime_question:
                     from .bench_realtime import measure_realtime
 
-                    free(cfg.device)
+                    free(cfg.engine.device)
                     record("realtime", _attempt("realtime", lambda e=engine: measure_realtime(
                         e, model_dir, cfg.realtime_question, log_fn)))
         except Exception as exc:  # noqa: BLE001 - the other settings' figures still count
@@ -301,7 +300,7 @@ def run_all_resident(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_
             if engine is not None:
                 engine.close()
             del engine
-            free(cfg.device)
+            free(cfg.engine.device)
     return loaded
 
 
@@ -323,8 +322,8 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
                     prefetch: bool = True) -> dict:
     """The standard request under `budget`, with the last compile setting; `stage_memory` is what was resident
     and the allocator's bytes at each stage of the pipeline (orin.contract.Staged): where the peak was reached."""
-    from ..contract import Staged
-    from ..residency import simulate
+    from orin.contract import Staged
+    from orin.residency import simulate
 
     compile = cfg.compile[-1]
     stages: list = []
@@ -333,9 +332,9 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         if isinstance(event, Staged):
             stages.append(event.to_json())
 
-    from ..device import pick_device
+    from orin.device.select import pick_device
 
-    held = DeviceMemory(pick_device(cfg.device))
+    held = DeviceMemory(pick_device(cfg.engine.device))
     engine = open_engine(cfg, model_dir, budget, compile, prefetch=prefetch, observer=observe)
     held.mapped = lambda loader=engine.loader: loader.mapped_bytes() or 0
     try:
@@ -395,7 +394,7 @@ def run_time_sliced(cfg: BenchConfig, model_dir: str, inputs: BenchInputs, log_f
         held.mapped = lambda: 0  # the loader goes with the engine
         engine.close()
         del engine
-        free(cfg.device)
+        free(cfg.engine.device)
 
 
 def _laps(laps: list) -> str:

@@ -17,7 +17,7 @@ BF16 weights. On CUDA the kernel timings (orin.devtools.bench_kernels) and a tor
 request record where the time goes; the targets and the table are orin.devtools.bench_report's, the AGX Orin
 projection orin.devtools.bench_projection's.
 
-The video cases (`--video-seconds S`, one per `--video-fps`; issue 16): one image, an S-second clip with its
+The video cases (`--video-seconds S`, one per `--video-fps`): one image, an S-second clip with its
 soundtrack (audio in video) and the instruction, answered as the standard request is, on the first all-resident
 engine and on the HF reference (after their standard request; `--video-only`: instead of it, and no time-sliced
 runs). Their figures go under the JSON's "video" key: the cases and what each side measured, what decoding an
@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..errors import UsageError
+from orin.errors import UsageError
+
 from .bench_config import BenchConfig, check_video, make_inputs, make_video_cases, parse_compile
 from .bench_engine import run_all_resident, run_time_sliced
 from .bench_hf import run_hf
@@ -54,7 +55,7 @@ def _meta(cfg: BenchConfig) -> dict:
 
     meta = {"config": asdict(cfg), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "host": platform.node()}
-    if torch.cuda.is_available() and cfg.device in ("auto", "cuda"):
+    if torch.cuda.is_available() and cfg.engine.device in ("auto", "cuda"):
         props = torch.cuda.get_device_properties(0)
         meta["gpu"] = {"name": props.name, "memory_bytes": props.total_memory,
                        "multiprocessors": props.multi_processor_count}
@@ -62,7 +63,7 @@ def _meta(cfg: BenchConfig) -> dict:
 
 
 def _check(cfg: BenchConfig) -> None:
-    if cfg.synthetic == (cfg.model_dir is not None):
+    if cfg.synthetic == bool(cfg.engine.model_dir):
         raise UsageError("give either --synthetic (with --config) or --model-dir")
     if cfg.synthetic and not cfg.config:
         raise UsageError("--synthetic needs --config (a Qwen3-Omni config.json, or 'tiny')")
@@ -76,7 +77,7 @@ def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
 
     t0 = time.perf_counter()
     out = Path(cfg.workdir) / "checkpoint"
-    write_synthetic_checkpoint(SyntheticConfig(config=cfg.config, out=str(out), device=cfg.device,
+    write_synthetic_checkpoint(SyntheticConfig(config=cfg.config, out=str(out), device=cfg.engine.device,
                                                seed=cfg.seed, force=True), log=log_fn)
     result.extra["synthetic_write_s"] = time.perf_counter() - t0
     os.sync()  # write-back of 20 GB of dirty pages would otherwise steal CPU from the first measurements
@@ -86,7 +87,8 @@ def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
 
 def _storage(model_dir: str, device: str, log_fn) -> dict:
     """The plain storage -> device bandwidth of the checkpoint's largest file (orin.devtools.bench_storage)."""
-    from ..device import pick_device
+    from orin.device.select import pick_device
+
     from .bench_storage import storage_bandwidth
 
     largest = max(Path(model_dir).glob("*.safetensors"), key=lambda p: p.stat().st_size)
@@ -112,7 +114,7 @@ def video_decode_timing(cfg: BenchConfig, log_fn, clip_seconds: float = 10.0, so
     AAC at `source_fps`), at most `clip_seconds` long, sampled at the first --video-fps."""
     import av  # noqa: F401 - imported before the clock starts
 
-    from ..video import VideoOptions, load_video, synth_clip
+    from orin.video import VideoOptions, load_video, synth_clip
 
     seconds = min(clip_seconds, cfg.video_seconds)
     n = cfg.video_size
@@ -138,12 +140,12 @@ def video_decode_timing(cfg: BenchConfig, log_fn, clip_seconds: float = 10.0, so
 def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
     """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
     rewritten after every part, so a run cut short keeps what it measured."""
-    from ..manifest import read_manifest
+    from orin.manifest import read_manifest
 
     _check(cfg)
     result = BenchResult(meta=_meta(cfg))
     t_start = time.perf_counter()
-    model_dir = _write_synthetic(cfg, result, log_fn) if cfg.synthetic else cfg.model_dir
+    model_dir = _write_synthetic(cfg, result, log_fn) if cfg.synthetic else cfg.engine.model_dir
     manifest = read_manifest(model_dir)
     result.extra["checkpoint"] = {"dir": model_dir, "int4_payload_bytes": sum(
         s.int4_bytes for s in manifest.segments.values()), "file_bytes": sum(
@@ -201,7 +203,7 @@ def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) 
             result.runs["hf_bf16"] = hf
     part("all_resident", lambda: run_all_resident(cfg, model_dir, inputs, log_fn, recorder("orin"), videos))
     if not cfg.video_only and not cfg.skip_sliced and cfg.budget_sliced:
-        storage = part("storage", lambda: _storage(model_dir, cfg.device, log_fn))
+        storage = part("storage", lambda: _storage(model_dir, cfg.engine.device, log_fn))
         if storage:
             result.extra["storage_bandwidth"] = storage
         for i, budget in enumerate(cfg.budget_sliced):

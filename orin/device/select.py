@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def pick_device(name: str):

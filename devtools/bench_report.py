@@ -1,6 +1,6 @@
 """The benchmark's result: its JSON, the targets it is judged against, and the side-by-side table.
 
-A run is a dict of figures (orin.devtools.bench_engine.summarize_engine, orin.devtools.bench_hf.run_hf); the
+A run is a dict of figures (devtools.bench_engine.summarize_engine, devtools.bench_hf.run_hf); the
 targets compare the fastest all-resident orin-omni run ("orin_graph", "orin_compiled"), the time-sliced runs
 ("orin_time_sliced", "orin_time_sliced_2", ...) and the HF reference ("hf_bf16"). The video cases (the JSON's
 "video": per case, the "orin" and "hf_bf16" figures and the Orin projection) get a table of their own."""
@@ -40,7 +40,7 @@ class BenchResult:
     def write(self, path: str | None) -> None:
         """Rewrite the JSON at `path` (if any) with what is measured so far."""
         if path:
-            from ..fsutil import atomic_write_text
+            from orin.fsutil import atomic_write_text
 
             atomic_write_text(Path(path), json.dumps(self.to_json(), indent=2, default=str))
 

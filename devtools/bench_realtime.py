@@ -1,4 +1,4 @@
-"""The Realtime API's voice-to-voice latency and barge-in, measured as a robot's client sees them (issue 17): the
+"""The Realtime API's voice-to-voice latency and barge-in, measured as a robot's client sees them: the
 real server on loopback around an already-loaded engine, the official `openai` client over its WebSocket, a
 spoken question streamed as a microphone would (20 ms packets of 24 kHz PCM, paced in real time, then silence).
 
@@ -23,7 +23,7 @@ def load_question(path: str, rate: int = 24_000):
     """The spoken question (any file orin.media reads) at the API's 24 kHz, trimmed to where its speech is."""
     import numpy as np
 
-    from ..media import load_audio
+    from orin.media import load_audio
 
     samples = np.asarray(load_audio(path, target_sr=rate), dtype=np.float32)
     loud = np.flatnonzero(np.abs(samples) > 0.02)
@@ -42,7 +42,7 @@ class _Sender(threading.Thread):
     def run(self) -> None:
         import base64
 
-        from ..media import encode_pcm16
+        from orin.media import encode_pcm16
 
         step = int(24_000 * PACKET_S)
         pcm = encode_pcm16(self.samples)
@@ -114,10 +114,10 @@ def _encoder_alone(engine, question) -> tuple[float, float]:
     cost); the turns' encoder times beside them show what the server adds to the eager path."""
     import torch
 
-    from ..attention_kernels import without_cudnn_attention
-    from ..contract import GenerationRequest
-    from ..media import resample
-    from ..thinker import AudioTokenCache
+    from orin.attention import without_cudnn_attention
+    from orin.contract import GenerationRequest
+    from orin.media import resample
+    from orin.thinker import AudioTokenCache
 
     audio = resample(question, 24_000, 16_000)
     prompt = engine.prepare(GenerationRequest(messages=({"role": "user", "content": [
@@ -127,13 +127,13 @@ def _encoder_alone(engine, question) -> tuple[float, float]:
     times = []
     with torch.inference_mode(), without_cudnn_attention():  # as the engine runs it
         for _ in range(3):
-            engine.thinker.audio_tokens = AudioTokenCache()
+            engine.thinker.audio_tokens = AudioTokenCache(engine.profile.memory.audio_token_cache_bytes)
             start = time.perf_counter()
             engine.thinker.encode_audio(inputs, prompt, graph=False)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
             times.append(time.perf_counter() - start)
-    engine.thinker.audio_tokens = AudioTokenCache()
+    engine.thinker.audio_tokens = AudioTokenCache(engine.profile.memory.audio_token_cache_bytes)
     return times[0], min(times)
 
 
@@ -169,13 +169,14 @@ def measure_realtime(engine, model_dir: str, question_path: str, log_fn, *, turn
     server runs here around `engine`; the client (the official `openai` package) in a child process."""
     import multiprocessing
 
-    from ..decode import prefill_bucket
-    from ..serve.app import ServeConfig, Server
+    from orin.engine import EngineConfig
+    from orin.prefill_route import prefill_bucket
+    from orin.serve.app import ServeConfig, Server
 
     question = load_question(question_path)
     encoder_first, encoder_alone = _encoder_alone(engine, question)
-    srv = Server(ServeConfig(model_dir=model_dir, port=0, device=str(engine.device), power_backend="none",
-                             warmup=True, max_speech_seconds=max_speech_seconds, verify_checksums=False),
+    served = EngineConfig(model_dir=model_dir, device=str(engine.device), power_backend="none", verify_checksums=False)
+    srv = Server(ServeConfig(served, port=0, warmup=True, max_speech_seconds=max_speech_seconds),
                  engine=engine).start()
     rows, barge = [], None
     try:
