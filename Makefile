@@ -30,7 +30,7 @@ COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py te
 	test_manifest.py test_plan.py test_cli.py test_time_sliced.py test_block_reader.py test_residency.py \
 	test_packed_cache.py test_video.py test_video_model.py test_video_api.py test_vad.py test_realtime.py \
 	test_audio_api.py test_deferred_captures.py test_continued_turns.py test_quantize_batched_solve.py \
-	test_weight_arena.py)
+	test_weight_arena.py test_device_profile.py test_int4_experts.py)
 
 .PHONY: demo test test-compat venv venv-compat system-deps clean wheel
 

@@ -109,12 +109,12 @@ def _storage_fraction(run: dict, storage: dict) -> dict:
 
 
 def video_decode_timing(cfg: BenchConfig, log_fn, clip_seconds: float = 10.0, source_fps: int = 30) -> dict:
-    """What decoding costs (orin.video.load_video: PyAV, software decode, sampling and resizing), timed once on an
-    encoded clip of the video cases' frame size with its soundtrack (orin.video.synth_clip, MPEG-4 part 2 and
+    """What decoding costs (orin.inputs.video.load_video: PyAV, software decode, sampling and resizing), timed once on an
+    encoded clip of the video cases' frame size with its soundtrack (orin.inputs.video.synth_clip, MPEG-4 part 2 and
     AAC at `source_fps`), at most `clip_seconds` long, sampled at the first --video-fps."""
     import av  # noqa: F401 - imported before the clock starts
 
-    from orin.video import VideoOptions, load_video, synth_clip
+    from orin.inputs.video import VideoOptions, load_video, synth_clip
 
     seconds = min(clip_seconds, cfg.video_seconds)
     n = cfg.video_size
@@ -140,7 +140,7 @@ def video_decode_timing(cfg: BenchConfig, log_fn, clip_seconds: float = 10.0, so
 def run_bench(cfg: BenchConfig, log_fn: Callable[[str], None] = lambda m: None) -> BenchResult:
     """The whole benchmark; each part's failure is recorded (errors) and the rest still runs. The JSON is
     rewritten after every part, so a run cut short keeps what it measured."""
-    from orin.manifest import read_manifest
+    from orin.checkpoint.manifest import read_manifest
 
     _check(cfg)
     result = BenchResult(meta=_meta(cfg))

@@ -5,8 +5,8 @@ side does the same work). Shared by the engine side (devtools.bench_engine) and 
 
 The video cases (`video_seconds` > 0): per sampling rate, one user turn with one image, a video of
 `video_seconds` with its soundtrack (audio in video) and the instruction, answered as the standard request is.
-The clip is built as already decoded (orin.video.Video: pseudo-random frames at `video_size`², the count that
-orin.video.sampled_frames gives, and a speech-like soundtrack), so no run pays a two-minute decode; what decoding
+The clip is built as already decoded (orin.inputs.video.Video: pseudo-random frames at `video_size`², the count that
+orin.inputs.video.sampled_frames gives, and a speech-like soundtrack), so no run pays a two-minute decode; what decoding
 costs is timed once apart (devtools.bench.video_decode_timing)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import gc
 import logging
 from dataclasses import dataclass
 
-from orin.engine import EngineConfig
 from orin.errors import UsageError
+from orin.runtime.engine import EngineConfig
 
 GiB = 1 << 30
 
@@ -31,7 +31,7 @@ log = logging.getLogger("orin.devtools.bench")
 
 @dataclass(frozen=True)
 class BenchConfig:
-    # How every run's engine opens the checkpoint (device, power backend, device profile: orin.engine.EngineConfig);
+    # How every run's engine opens the checkpoint (device, power backend, device profile: orin.runtime.engine.EngineConfig);
     # its model_dir is an existing quantized checkpoint's, "" with synthetic=True (written under workdir). Each run
     # sets its own budget, compile, prefetch and packed copies (devtools.bench_engine.open_engine).
     engine: EngineConfig = EngineConfig(model_dir="")
@@ -54,7 +54,7 @@ class BenchConfig:
     json_out: str | None = None
     seed: int = 0
     hf_repeats: int = 2
-    packed_cache: str = "auto"  # a --packed-cache value (orin.packed_cache.resolve_dir): "auto", "off" or a path
+    packed_cache: str = "auto"  # a --packed-cache value (orin.memory.packed_cache.resolve_dir): "auto", "off" or a path
     sliced_unpacked: tuple[int, ...] = ()  # budgets run time-sliced again without packed copies (converting)
     # The video cases: a clip of video_seconds (0: none) sampled at each of video_fps, frames video_size² pixels.
     video_seconds: float = 0.0
@@ -90,12 +90,12 @@ class BenchInputs:
     messages: tuple
     images: list
     audio: object  # float32 samples at orin.audio_format.INPUT_SAMPLE_RATE, or None
-    video: object = None  # an orin.video.Video (a video case), or None
+    video: object = None  # an orin.inputs.video.Video (a video case), or None
 
 
 def make_inputs(cfg: BenchConfig) -> BenchInputs:
     from orin.audio_format import INPUT_SAMPLE_RATE
-    from orin.media import synth_image, synth_speechlike
+    from orin.inputs.media import synth_image, synth_speechlike
 
     images = [synth_image(cfg.image_size, seed=cfg.seed + i) for i in range(cfg.images)]
     audio = synth_speechlike(cfg.audio_seconds, INPUT_SAMPLE_RATE, seed=cfg.seed) if cfg.audio_seconds > 0 else None
@@ -130,13 +130,13 @@ def _rate() -> int:
 
 def video_tokens(frames: int, height: int, width: int) -> int:
     """The thinker tokens of a clip's frames: one per 2x2 merge of 16-pixel patches, two frames a temporal grid."""
-    from orin.video import FRAME_FACTOR, TEMPORAL_PATCH
+    from orin.inputs.video import FRAME_FACTOR, TEMPORAL_PATCH
 
     return (frames // TEMPORAL_PATCH) * (height // FRAME_FACTOR) * (width // FRAME_FACTOR)
 
 
 def check_video(cfg: BenchConfig) -> None:
-    from orin.video import FRAME_FACTOR, VideoOptions
+    from orin.inputs.video import FRAME_FACTOR, VideoOptions
 
     if cfg.video_seconds < 0:
         raise UsageError(f"--video-seconds {cfg.video_seconds:g} must be 0 (no video case) or more")
@@ -157,13 +157,13 @@ def check_video(cfg: BenchConfig) -> None:
 
 
 def synth_video(seconds: float, fps: float, size: int, seed: int = 0):
-    """An already-decoded clip as orin.video.load_video gives one: sampled_frames(seconds) frames of size² pixels
+    """An already-decoded clip as orin.inputs.video.load_video gives one: sampled_frames(seconds) frames of size² pixels
     (pseudo-random, deterministic for `seed`), its real rate (frames / seconds), and a speech-like soundtrack of
     `seconds` at 16 kHz."""
     import numpy as np
 
-    from orin.media import synth_speechlike
-    from orin.video import Video, VideoOptions, sampled_frames
+    from orin.inputs.media import synth_speechlike
+    from orin.inputs.video import Video, VideoOptions, sampled_frames
 
     n = sampled_frames(seconds, VideoOptions(fps=fps, max_frame_pixels=size * size))
     frames = np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
@@ -181,7 +181,7 @@ def make_video_cases(cfg: BenchConfig) -> list[VideoCase]:
     """One case per --video-fps, the lowest rate first: [one image (if --images >= 1)] + the clip with its soundtrack
     + the instruction. The order matters to the engine: its static KV caches keep the largest size a request has
     needed, and decode attends over all of it, so a shorter prompt after a longer one decodes as the longer."""
-    from orin.media import synth_image
+    from orin.inputs.media import synth_image
 
     if not cfg.video_seconds:
         return []

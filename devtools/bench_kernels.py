@@ -54,8 +54,9 @@ def profile_once(fn, top: int = 30) -> dict:
     return profile_events(prof, 1, top)
 
 
-def profile_steps(step, n: int) -> dict:
-    """Median wall time of `step` (which synchronises) over `n` calls, and its top kernels under torch.profiler."""
+def profile_steps(step, n: int, kernels: bool = True) -> dict:
+    """Median wall time of `step` (which synchronises) over `n` calls, and (`kernels`) its top kernels under
+    torch.profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,6 +65,8 @@ def profile_steps(step, n: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    if not kernels:
+        return {"median_ms": statistics.median(times) * 1e3}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: CPU events cost minutes here
         for _ in range(4):
             step()
@@ -77,12 +80,15 @@ def _random_ids(gen, vocab: int, n: int, device):
     return torch.randint(0, vocab, (1, n), generator=gen, device=device)
 
 
-def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
+def decode_timings(engine, prefill_rows: int = 467, steps: int = 16, kernels: bool = True) -> dict:
     """The decoders at the engine's torch.compile setting on its loaded model (thinker, talker and code
-    predictor resident): fresh decoders, released afterwards, so the engine's own keep their caches and graphs."""
+    predictor resident): fresh decoders, released afterwards, so the engine's own keep their caches and graphs.
+    `kernels`: the steps' top kernels under torch.profiler too. The profiler leaves CUPTI attached for the rest
+    of the process (kineto detaches it only when TEARDOWN_CUPTI=1, which torch does not set), and an attached
+    CUPTI slows every later launch and graph replay: only the process's last engine is profiled."""
     import torch
 
-    from orin.decode import CodePredictor, PrefillInputs, StaticDecoder
+    from orin.runtime.decode import CodePredictor, PrefillInputs, StaticDecoder
 
     dev, model = engine.device, engine.model
     compile = engine.decoders.compile
@@ -103,7 +109,7 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
                                                 graph=g), 3)
             out["prefill_graph_captures"] = dec.prefill_captures
             token = int(ids[0, -1])
-            out["thinker_step"] = profile_steps(lambda: dec.step(token), steps)
+            out["thinker_step"] = profile_steps(lambda: dec.step(token), steps, kernels)
             out["thinker_compile_error"] = dec.runner.compile_error
         finally:
             dec.release()
@@ -113,7 +119,7 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
         first = talker.model.codec_embedding(torch.tensor([[5]], device=dev))
         predictor = CodePredictor(model, dev, engine.profile, compile)
         try:
-            out["code_predictor_frame"] = profile_steps(lambda: predictor.run(past, first), 8)
+            out["code_predictor_frame"] = profile_steps(lambda: predictor.run(past, first), 8, kernels)
             out["code_predictor_compile_error"] = predictor.runner.compile_error
         finally:
             predictor.release()
@@ -123,11 +129,11 @@ def decode_timings(engine, prefill_rows: int = 467, steps: int = 16) -> dict:
 def prefill_timings(engine, rows: int = 467, prompt=None) -> dict:
     """The prefill's INT4 routes on one thinker MoE layer of the loaded model over `rows` random rows: its
     experts on the route their backend takes for that many rows against tinygemm per expert (the few-rows route),
-    its q_proj dense (dequantize + GEMM) against tinygemm; with `prompt` (a prepared request, orin.prompt.Prompt)
+    its q_proj dense (dequantize + GEMM) against tinygemm; with `prompt` (a prepared request, orin.inputs.prompt.Prompt)
     the audio and vision encoders as the engine calls them, each call synchronised."""
     import torch
 
-    from orin.int4 import Int4Experts, Int4Linear
+    from orin.int4.linear import Int4Experts, Int4Linear
 
     out: dict = {"rows": rows}
     dev = engine.device
@@ -170,7 +176,7 @@ def _with(profile, group: str, **numbers):
 
 def _linear_twin(q, profile):
     """An Int4Linear over q's very buffers, run as `profile` says (its dense route's first row count)."""
-    from orin.int4 import Int4Linear
+    from orin.int4.linear import Int4Linear
 
     twin = Int4Linear(q.in_features, q.out_features, bias=q.has_bias)
     tensors, meta = q.packed_state()

@@ -44,8 +44,8 @@ def active_bytes(config) -> dict:
     """Bytes read per step from resident weights, per stage, in the INT4 layout the runtime holds: every
     projection and norm of a layer, the router's top-k share of the experts, the head; one embedding row only.
     The code predictor runs its layers once per residual code group, each time with one of its heads."""
-    from orin.layout import QuantSpec, find_targets, target_runtime_bytes
-    from orin.model_sizes import meta_model
+    from orin.checkpoint.targets import QuantSpec, find_targets, target_runtime_bytes
+    from orin.memory.model_sizes import meta_model
 
     model = meta_model(config)
     targets = {t.path: t for t in find_targets(model, QuantSpec())}
@@ -77,7 +77,7 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     (ORIN), and from the stages measured here: the eager encoders scaled by the host slowdown, the
     graph-replayed prefill by the GPU slowdown. A projection, not a
     measurement: `measured` is the fastest all-resident run of this benchmark."""
-    from orin.model_config import load_omni_config
+    from orin.model.config import load_omni_config
 
     config = load_omni_config(model_dir)
     th = config.thinker_config.text_config
@@ -89,8 +89,8 @@ def orin_projection(model_dir: str, prompt_tokens: int, text_tokens: int, audio_
     bw = ORIN["bandwidth"] * ORIN["efficiency_bw"]
     flops = ORIN["fp16_tensor_flops"] * ORIN["efficiency_flops"]
     # Prefill: 2 FLOPs per active weight per token; all experts are touched by a few hundred tokens.
-    from orin.layout import QuantSpec
-    from orin.model_sizes import size_model
+    from orin.checkpoint.targets import QuantSpec
+    from orin.memory.model_sizes import size_model
 
     sizes = size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
     enc = sizes.components["audio_encoder"].params + sizes.components["vision_encoder"].params
@@ -138,8 +138,8 @@ def video_flops(config, counts: dict, sizes=None) -> dict:
     encoder per output frame (its conv front end and windowed attention left out: a few % of it), the thinker
     and the talker per prompt token over their active weights (8 of 128 experts; INT4 ~2 weights a byte), plus
     their causal attention over the whole prompt."""
-    from orin.layout import QuantSpec
-    from orin.model_sizes import size_model
+    from orin.checkpoint.targets import QuantSpec
+    from orin.memory.model_sizes import size_model
 
     sizes = sizes or size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))
     th, tk = config.thinker_config.text_config, config.talker_config.text_config
@@ -169,9 +169,9 @@ def video_projection(model_dir: str, counts: dict, text_tokens: int, audio_frame
     `decode_s_per_video_s` the measured software decode of an encoded clip (PyAV) on this host, scaled by the host
     slowdown over `video_seconds` (the Orin's NVDEC would be faster: not used here). A projection, not a
     measurement."""
-    from orin.layout import QuantSpec
-    from orin.model_config import load_omni_config
-    from orin.model_sizes import size_model
+    from orin.checkpoint.targets import QuantSpec
+    from orin.memory.model_sizes import size_model
+    from orin.model.config import load_omni_config
 
     config = load_omni_config(model_dir)
     sizes = size_model(config, QuantSpec(), dict(C.DEFAULT_SEGMENTS))

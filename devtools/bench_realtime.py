@@ -20,10 +20,10 @@ PACKET_S = 0.02
 
 
 def load_question(path: str, rate: int = 24_000):
-    """The spoken question (any file orin.media reads) at the API's 24 kHz, trimmed to where its speech is."""
+    """The spoken question (any file orin.inputs.media reads) at the API's 24 kHz, trimmed to where its speech is."""
     import numpy as np
 
-    from orin.media import load_audio
+    from orin.inputs.media import load_audio
 
     samples = np.asarray(load_audio(path, target_sr=rate), dtype=np.float32)
     loud = np.flatnonzero(np.abs(samples) > 0.02)
@@ -42,7 +42,7 @@ class _Sender(threading.Thread):
     def run(self) -> None:
         import base64
 
-        from orin.media import encode_pcm16
+        from orin.inputs.media import encode_pcm16
 
         step = int(24_000 * PACKET_S)
         pcm = encode_pcm16(self.samples)
@@ -114,10 +114,10 @@ def _encoder_alone(engine, question) -> tuple[float, float]:
     cost); the turns' encoder times beside them show what the server adds to the eager path."""
     import torch
 
-    from orin.attention import without_cudnn_attention
     from orin.contract import GenerationRequest
-    from orin.media import resample
-    from orin.thinker import AudioTokenCache
+    from orin.inputs.media import resample
+    from orin.runtime.attention import without_cudnn_attention
+    from orin.runtime.thinker import AudioTokenCache
 
     audio = resample(question, 24_000, 16_000)
     prompt = engine.prepare(GenerationRequest(messages=({"role": "user", "content": [
@@ -169,8 +169,8 @@ def measure_realtime(engine, model_dir: str, question_path: str, log_fn, *, turn
     server runs here around `engine`; the client (the official `openai` package) in a child process."""
     import multiprocessing
 
-    from orin.engine import EngineConfig
-    from orin.prefill_route import prefill_bucket
+    from orin.runtime.engine import EngineConfig
+    from orin.runtime.prefill_route import prefill_bucket
     from orin.serve.app import ServeConfig, Server
 
     question = load_question(question_path)

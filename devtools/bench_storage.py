@@ -35,10 +35,10 @@ def _drop_cache(path: Path) -> bool:
 def _read_to_device(path: Path, device, size: int, parallel: bool) -> float:
     """Seconds to bring the file's first `size` bytes into device memory, BLOCK bytes at a time through one
     pinned buffer: each block read with one read call, or (`parallel`) in pieces on several threads at once as
-    the loader reads (orin.block_reader.read_span)."""
+    the loader reads (orin.memory.block_reader.read_span)."""
     import torch
 
-    from orin.block_reader import read_span
+    from orin.memory.block_reader import read_span
 
     pinned = torch.empty(BLOCK, dtype=torch.uint8, pin_memory=device.type == "cuda")
     target = torch.empty(size, dtype=torch.uint8, device=device)
@@ -60,7 +60,7 @@ def _read_to_device(path: Path, device, size: int, parallel: bool) -> float:
     del target, pinned, view
     if device.type == "cuda":
         # the file-sized block goes back to the driver: left in the allocator's cache, the next engine's loader
-        # counted it as the process's own from before (orin.loader: the cap), and the first time-sliced run
+        # counted it as the process's own from before (orin.memory.loader: the cap), and the first time-sliced run
         # after it held gigabytes over its budget
         torch.cuda.empty_cache()
     return seconds

@@ -2,11 +2,11 @@
 
 Speed and memory do not depend on what the weights are, so the benchmark measures the real model's dimensions
 without GPTQ and without downloading 70 GB: one shard per segment under hub names (GPTQ v1 INT4 tensors for every
-target `orin.layout.find_targets` names, BF16 for the rest), config.json with its quantization_config, the index,
-the tokenizer and chat template, and manifest.json with every file's size and sha256 (orin.checkpoint_layout). The engine opens it like any quantized
+target `orin.checkpoint.targets.find_targets` names, BF16 for the rest), config.json with its quantization_config, the index,
+the tokenizer and chat template, and manifest.json with every file's size and sha256 (orin.checkpoint.files). The engine opens it like any quantized
 checkpoint, so loading, swapping and time-slicing run the product's real code.
 
-Random values follow `orin.gptq_format.random_gptq_v1` (codes uniform 0..15, zero points 4..11, scales
+Random values follow `orin.checkpoint.gptq_format.random_gptq_v1` (codes uniform 0..15, zero points 4..11, scales
 0.002..0.01) and transformers' initialisation for the BF16 parts (normal 0.02, norms one, biases zero). They
 are drawn on the GPU when there is one and streamed to disk tensor by tensor, hashed on the way, so a 20 GB
 checkpoint needs neither 20 GB of host memory nor a second pass to checksum it.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 from orin import __version__
 from orin import components as C
+from orin.checkpoint.hub_names import is_fused_experts, to_hub
+from orin.checkpoint.safetensors_stream import PlannedTensor, write_safetensors_stream
 from orin.errors import ModelError, UsageError
 from orin.fsutil import atomic_dir, atomic_write_json, atomic_write_text
-from orin.hub_names import is_fused_experts, to_hub
-from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
 
 # Special tokens the processor and chat template use, and where their ids live in the config.
 _SPECIAL_IDS = {
@@ -69,7 +69,7 @@ def config_dict(config: str) -> dict:
         from .tiny import tiny_config_dict
 
         return tiny_config_dict()
-    from orin.modelcfg import read_config_dict
+    from orin.model.config_file import read_config_dict
 
     return read_config_dict(config)
 
@@ -153,7 +153,7 @@ def _init_kind(module_class: str, param: str, ndim: int) -> tuple[str, float]:
 def _gptq_plan(path: str, K: int, N: int, g: int, bias: bool) -> list[PlannedTensor]:
     import torch
 
-    from orin.gptq_format import PACK
+    from orin.checkpoint.gptq_format import PACK
 
     groups = -(-K // g)
     out = [
@@ -180,7 +180,7 @@ def random_experts_gptq(E: int, K: int, N: int, g: int, *, generator, device) ->
     like `random_gptq_v1(K, N, g)`: codes uniform 0..15 (random words), zero points 4..11, scales 0.002..0.01."""
     import torch
 
-    from orin.gptq_format import PACK, V1_ZERO_OFFSET
+    from orin.checkpoint.gptq_format import PACK, V1_ZERO_OFFSET
 
     if K % g or N % PACK:
         raise ValueError(f"stacked experts need K % g == 0 and N % 8 == 0, got K={K}, N={N}, g={g}")
@@ -234,7 +234,7 @@ class _Segment:
     def _runtime_tensors(self) -> Iterator[tuple[str, object]]:
         import torch
 
-        from orin.gptq_format import random_gptq_v1
+        from orin.checkpoint.gptq_format import random_gptq_v1
 
         for name, shape, dtype, (kind, value) in self.plain:
             if kind == "const":
@@ -273,12 +273,12 @@ def write_synthetic_checkpoint(cfg: SyntheticConfig, log: Callable[[str], None] 
     """Write the random checkpoint to cfg.out (built in OUT/.synthetic.tmp, renamed into place). Returns OUT."""
     import torch
 
-    from orin.checkpoint_layout import model_quantization_config, segment_shards, write_config_files, write_index
-    from orin.layout import QuantSpec, find_targets
-    from orin.manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
-    from orin.model import OmniModel
-    from orin.model_config import load_omni_config
-    from orin.skeleton import params_on_meta
+    from orin.checkpoint.files import model_quantization_config, segment_shards, write_config_files, write_index
+    from orin.checkpoint.manifest import FileEntry, Manifest, SegmentEntry, file_entry, utc_now, write_manifest
+    from orin.checkpoint.targets import QuantSpec, find_targets
+    from orin.memory.skeleton import params_on_meta
+    from orin.model.config import load_omni_config
+    from orin.model.omni import OmniModel
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not cfg.force:

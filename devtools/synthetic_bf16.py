@@ -9,7 +9,7 @@ layer figures measured on it extrapolate to the real 48 layers. The talker reads
 `accept_hidden_layer` (24): with fewer thinker layers it reads the last one.
 
 Values are transformers' initialisation (normal 0.02; norms one, biases zero: devtools.synthetic's table),
-drawn on the GPU when there is one and streamed to disk tensor by tensor (orin.safetensors_stream), so the
+drawn on the GPU when there is one and streamed to disk tensor by tensor (orin.checkpoint.safetensors_stream), so the
 checkpoint is never in memory whole. The tokenizer and chat template are devtools.synthetic's.
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from orin.checkpoint.hub_names import is_fused_experts, to_hub, unfused_names
+from orin.checkpoint.safetensors_stream import PlannedTensor, write_safetensors_stream
 from orin.errors import UsageError
 from orin.fsutil import atomic_dir, atomic_write_json, atomic_write_text
-from orin.hub_names import is_fused_experts, to_hub, unfused_names
-from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
 
 DEFAULT_SHARD_BYTES = 4 << 30
 
@@ -75,9 +75,9 @@ def plan_tensors(data: dict) -> list[_Entry]:
     fused experts of transformers' tree."""
     import torch
 
-    from orin.model import OmniModel
-    from orin.model_config import omni_config
-    from orin.skeleton import params_on_meta
+    from orin.memory.skeleton import params_on_meta
+    from orin.model.config import omni_config
+    from orin.model.omni import OmniModel
 
     from .synthetic import _init_kind
 
@@ -129,7 +129,7 @@ def write_synthetic_bf16(cfg: SyntheticBF16Config, log: Callable[[str], None] = 
     """Write the checkpoint to cfg.out (built in OUT/.synthetic-bf16.tmp, renamed into place). Returns OUT."""
     import torch
 
-    from orin.checkpoint_layout import INDEX_NAME
+    from orin.checkpoint.files import INDEX_NAME
     from orin.device.select import pick_device
 
     from .synthetic import synthetic_tokenizer

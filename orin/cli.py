@@ -67,7 +67,7 @@ def cli():
 def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, video_fps, video_frame_pixels,
              video_audio, text_tokens, speech, group_size, segments, device_profile, as_json):
     """Size MODEL (checkpoint dir or config.json) per component and segment, and say whether a request fits."""
-    from .plan import PlanConfig, make_plan, render_plan
+    from .memory.plan import PlanConfig, make_plan, render_plan
 
     cfg = PlanConfig(
         model=model, budget=budget, audio_seconds=audio_seconds, images=images, image_size=image_size,
@@ -195,9 +195,9 @@ def generate_cmd(model_dir, text, images, audios, videos, video_fps, video_audio
                  packed_cache):
     """Run one request on a quantized checkpoint: print the answer, then a summary (TTFT, tokens/s, peak memory,
     energy, where the speech went) on stderr."""
-    from .engine import EngineConfig
     from .generate import GenerateConfig, run_generate
-    from .packed_cache import resolve_dir
+    from .memory.packed_cache import resolve_dir
+    from .runtime.engine import EngineConfig
 
     engine = EngineConfig(model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
                           packed_cache=resolve_dir(packed_cache, model_dir))
@@ -260,8 +260,8 @@ def serve_cmd(model_dir, host, port, budget, api_key_file, max_queue, allow_dir,
               realtime_context_tokens, packed_cache):
     """Serve the model over an OpenAI-compatible HTTP API (chat completions with image/audio/video in, speech
     out)."""
-    from .engine import EngineConfig
-    from .packed_cache import resolve_dir
+    from .memory.packed_cache import resolve_dir
+    from .runtime.engine import EngineConfig
     from .serve.app import ServeConfig, serve
 
     engine = EngineConfig(model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
@@ -306,8 +306,8 @@ def smoke_cmd(ctx, url, model_dir, budget, max_ttft, max_peak, api_key_file, voi
     requests, TTFT, peak memory, WAV output, video prompt tokens, power; with --url also the speech,
     transcription and Realtime endpoints. Exits 1 if any check fails."""
     from .checks.smoke import SmokeConfig, render_table, run_smoke
-    from .engine import EngineConfig
-    from .packed_cache import resolve_dir
+    from .memory.packed_cache import resolve_dir
+    from .runtime.engine import EngineConfig
 
     engine = None if model_dir is None else EngineConfig(
         model_dir=model_dir, device=device, budget=budget, power_backend=power_backend,
@@ -430,7 +430,7 @@ def quantize_cmd(model_dir, out, segments, split, bits, group_size, calib, sampl
 def convert_cmd(model_dir, out, force, as_json):
     """Rewrite an orin-omni 0.1 checkpoint (one directory per segment) as a standard GPTQ directory that vLLM,
     transformers and orin-omni load, without re-quantizing. MODEL_DIR is left as it is."""
-    from .convert import ConvertConfig, convert_checkpoint, convert_summary
+    from .checkpoint.convert import ConvertConfig, convert_checkpoint, convert_summary
 
     path = convert_checkpoint(ConvertConfig(model_dir=model_dir, out=out, force=force),
                               log=lambda m: click.echo(m, err=as_json))

@@ -99,7 +99,7 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
     _devtools("bench")
     from devtools.bench import BenchConfig, parse_compile, render_table, run_bench
 
-    from .engine import EngineConfig
+    from .runtime.engine import EngineConfig
 
     # model_dir "": none given (--synthetic writes one)
     engine = EngineConfig(model_dir=model_dir or "", device=device, power_backend=power_backend)

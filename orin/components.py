@@ -1,6 +1,6 @@
 """The swappable components of Qwen3-Omni and how segments group them on disk. Pure data: no torch.
 
-Module names are orin.model's, which are transformers 5.23's (thinker.model.language_model, thinker.model.visual,
+Module names are orin.model.omni's, which are transformers 5.23's (thinker.model.language_model, thinker.model.visual,
 ...), so quantize (on transformers' modules) and the runtime (on orin-omni's own) name the same tensors alike. A
 component is what a stage of a request needs whole; a segment is a group of components quantized and stored
 together (one directory each in the quantized checkpoint). The loader swaps units: a decoder's layers one by

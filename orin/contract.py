@@ -1,7 +1,7 @@
 """What the engine takes and gives, without torch or numpy: the request, the events its stream yields, the
 per-request report (its schedule's stages and its energy included), and the events an observer of residency sees.
 The server, the CLI, smoke and the benchmark read these types and nothing inside the engine. A leaf: it imports
-nothing of orin, so every layer may read it (orin.plan and orin.power.energy build its Stage and EnergyReport)."""
+nothing of orin, so every layer may read it (orin.memory.plan and orin.power.energy build its Stage and EnergyReport)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class Swap:
     background: bool = False
     units: int = 1
     of_units: int = 1
-    packed: int = 0  # of the units swapped in, those read from their packed copies (orin.packed_cache)
+    packed: int = 0  # of the units swapped in, those read from their packed copies (orin.memory.packed_cache)
     written: int = 0  # packed copies this swap-in wrote (the first load of a unit with a cache)
 
     def to_json(self) -> dict:
@@ -101,7 +101,7 @@ Observer = Callable[[object], None]
 
 @dataclass
 class Stage:
-    """One stage of a request's residency schedule (orin.plan): the components resident together and their bytes."""
+    """One stage of a request's residency schedule (orin.memory.plan): the components resident together and their bytes."""
 
     name: str
     resident: tuple[str, ...]
@@ -227,7 +227,7 @@ class Report:
     finish_reason: str  # "stop" (end of turn), "length" (max_new_tokens) or "cancelled"
     timeline_s: Mapping[str, float] = field(default_factory=dict)  # seconds from the start to each first output
     # The named routes this request took through the hot path, each chosen once: the device profile, the MoE
-    # backend, how the thinker's and the talker's prefills ran (orin.prefill_route.PrefillRoute's values).
+    # backend, how the thinker's and the talker's prefills ran (orin.runtime.prefill_route.PrefillRoute's values).
     routes: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:

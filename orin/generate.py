@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .errors import InputError
 
 if TYPE_CHECKING:
-    from .engine import EngineConfig
+    from .runtime.engine import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def build_request(cfg: GenerateConfig):
     """Read the media files (any sample rate, resampled to 16 kHz; PNG/JPEG; videos sampled at `video_fps`) into
     one user message."""
     from .contract import GenerationRequest
-    from .media import load_audio, load_image
+    from .inputs.media import load_audio, load_image
 
     if not (cfg.text or cfg.images or cfg.audios or cfg.videos):
         raise InputError("nothing to answer: give --text, --image, --audio or --video")
@@ -53,7 +53,7 @@ def build_request(cfg: GenerateConfig):
     for path in cfg.audios:
         parts.append({"type": "audio", "audio": load_audio(path)})
     if cfg.videos:
-        from .video import VideoOptions, load_video
+        from .inputs.video import VideoOptions, load_video
 
         opts = VideoOptions(fps=cfg.video_fps, audio=cfg.video_audio, max_seconds=cfg.max_video_seconds)
         for path in cfg.videos:
@@ -71,8 +71,8 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     out = sys.stdout if out is None else out  # looked up per call: a test runner swaps them after import
     err = sys.stderr if err is None else err
     from .contract import AudioChunk, Done, TextDelta
-    from .engine import Engine
-    from .media import write_wav
+    from .inputs.media import write_wav
+    from .runtime.engine import Engine
 
     if cfg.out_wav and cfg.speech is False:
         raise InputError("--out-wav needs speech; drop --no-speech")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orin.checkpoint.targets import KERNEL_GROUP_SIZES, Target
 from orin.errors import OrinError, UsageError
-from orin.layout import KERNEL_GROUP_SIZES, Target
 
 PINNED = {"gptqmodel": "7.6.0", "transformers": "5.23.0"}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

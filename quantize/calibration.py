@@ -15,7 +15,7 @@ Format (``--calib PATH``):
   ignored.
 
 Images are downscaled so their longer side is at most MAX_IMAGE_SIDE pixels, audio is cut to MAX_AUDIO_SECONDS
-and videos to their first MAX_VIDEO_SECONDS (frames sized as the server sizes them, orin.video): calibration
+and videos to their first MAX_VIDEO_SECONDS (frames sized as the server sizes them, orin.inputs.video): calibration
 needs representative activations, not full length. A video calibrates the vision encoder on temporal grids of
 two frames each and, with its soundtrack, the audio encoder and the thinker on audio tokens interleaved with the
 video's (transformers' ``use_audio_in_video=True``); the videos of one conversation either all keep their
@@ -72,7 +72,7 @@ class Conversation:
     messages: list[dict]
     images: list = field(default_factory=list)  # PIL images
     audios: list = field(default_factory=list)  # float32 mono 16 kHz arrays
-    videos: list = field(default_factory=list)  # orin.video.Video clips (their soundtracks, if any, heard too)
+    videos: list = field(default_factory=list)  # orin.inputs.video.Video clips (their soundtracks, if any, heard too)
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -219,7 +219,7 @@ def _user(media_parts: list[dict], text: str) -> dict:
 
 
 def _image(path: Path, where: str):
-    from orin.media import load_image
+    from orin.inputs.media import load_image
 
     try:
         image = load_image(path)
@@ -231,7 +231,7 @@ def _image(path: Path, where: str):
 
 
 def _audio(path: Path, where: str) -> np.ndarray:
-    from orin.media import load_audio
+    from orin.inputs.media import load_audio
 
     try:
         audio = load_audio(path)
@@ -243,9 +243,9 @@ def _audio(path: Path, where: str) -> np.ndarray:
 
 
 def _video(path: Path, where: str, part: dict):
-    """The clip at `path` as the server samples it (orin.video.load_video), with the part's "fps" and "audio",
+    """The clip at `path` as the server samples it (orin.inputs.video.load_video), with the part's "fps" and "audio",
     cut to MAX_VIDEO_SECONDS. `where` names the part (file:line, message and part) or the loose file."""
-    from orin.video import VideoOptions, load_video
+    from orin.inputs.video import VideoOptions, load_video
 
     unknown = sorted(k for k in part if k not in VIDEO_KEYS)
     if unknown:
@@ -331,7 +331,7 @@ def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
     speech-like audio, and an image-plus-audio turn, which every other cycle (from the second on: builtin:7, 15,
     ...) is a short synthetic video with its soundtrack instead, so every modality appears early. Real data
     calibrates better."""
-    from orin.media import synth_image, synth_speechlike, synth_tone
+    from orin.inputs.media import synth_image, synth_speechlike, synth_tone
 
     rng = np.random.default_rng(seed)
     convs = []
@@ -372,9 +372,9 @@ def builtin_conversations(n: int, seed: int = 0) -> list[Conversation]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin_clip(seconds: float, size: tuple[int, int], seed: int):
-    """A synthetic clip with its soundtrack (orin.video.synth_clip), decoded as the server decodes one: frames at
+    """A synthetic clip with its soundtrack (orin.inputs.video.synth_clip), decoded as the server decodes one: frames at
     2 fps, sides multiples of 32. Cached: the same set is often built more than once in a process."""
-    from orin.video import VideoOptions, load_video, synth_clip
+    from orin.inputs.video import VideoOptions, load_video, synth_clip
 
     data = synth_clip(seconds, _CLIP_SOURCE_FPS, size, audio=True, seed=seed)
     return load_video(data, VideoOptions(fps=2.0), name=f"the built-in clip {seed}")

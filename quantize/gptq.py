@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from orin.checkpoint.gptq_format import pack_gptq_v1, pad_in_features, quantize_rtn, unpack_gptq_v1
 from orin.errors import UsageError
-from orin.gptq_format import pack_gptq_v1, pad_in_features, quantize_rtn, unpack_gptq_v1
 
 from . import gptq_solve
 from .adapters import PINNED, LayoutError, layout_error

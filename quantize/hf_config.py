@@ -1,13 +1,13 @@
 """transformers 5.23's Qwen3-Omni config object, for the workstation side (quantize, the benchmark's HF
-reference, the tests' oracle), built from the config.json that orin.modelcfg reads and validates, with the
-fix-ups it needs. The device never builds it: it reads the same dict into orin.model_config."""
+reference, the tests' oracle), built from the config.json that orin.model.config_file reads and validates, with the
+fix-ups it needs. The device never builds it: it reads the same dict into orin.model.config."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from orin.errors import ModelError
-from orin.modelcfg import config_path, read_config_dict
+from orin.model.config_file import config_path, read_config_dict
 
 
 def fix_config(config):

@@ -34,7 +34,7 @@ DEFAULT_MAX_GPU_MEMORY = 16 << 30  # fits a 24 GB card with room for the CUDA co
 DEFAULT_MAX_HOST_MEMORY = 24 << 30
 # Beyond the estimated tensors: cuBLAS and SDPA workspaces, the caching allocator's rounding and fragmentation.
 DEVICE_MARGIN = 768 << 20
-# Host memory the run needs beyond the interpreter it starts in: orin.block_reader's staging buffers (2 x 64 MiB
+# Host memory the run needs beyond the interpreter it starts in: orin.memory.block_reader's staging buffers (2 x 64 MiB
 # per reading thread, pinned on CUDA), the shard writer's queue, a layer's GPTQ tensors while written, slack.
 HOST_MARGIN = 1536 << 20
 # Bytes one token's activations take per hidden unit in a stored call: the BF16 hidden states (2) plus the

@@ -1,5 +1,5 @@
 """`orin-omni quantize`: GPTQ INT4 of Qwen3-Omni in bounded memory, one segment (one shard of a standard GPTQ
-directory, see orin.checkpoint_layout) at a time, resumable at layer granularity.
+directory, see orin.checkpoint.files) at a time, resumable at layer granularity.
 
 Order of work: validate everything that can be validated cheaply (the model dir and its weights' names and shapes,
 the split, bits and group size against the model's dims, the output dir: quantize/prepare.py; every calibration
@@ -21,8 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from orin.checkpoint.manifest import Manifest, remove_segment_entry, verify_files, write_manifest
 from orin.errors import BudgetError, InputError, UsageError
-from orin.manifest import Manifest, remove_segment_entry, verify_files, write_manifest
 
 from .prepare import create_out, resume_state, validate
 from .progress import Progress
@@ -51,7 +51,7 @@ def quantize_run(cfg: QuantConfig) -> QuantizeRun:
     log = Progress(cfg.progress)
     plan = validate(cfg)
     meter = RunMeter(plan["device"])
-    from orin.attention import without_cudnn_attention
+    from orin.runtime.attention import without_cudnn_attention
 
     with _exclusive(plan["out"]), without_cudnn_attention():
         manifest, memory = _run(cfg, plan, log, meter)

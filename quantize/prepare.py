@@ -13,9 +13,7 @@ from pathlib import Path
 
 from orin import __version__
 from orin import components as C
-from orin.device.select import pick_device
-from orin.errors import ModelError, UsageError
-from orin.manifest import (
+from orin.checkpoint.manifest import (
     SCHEMA_VERSION,
     Manifest,
     check_served_name,
@@ -24,13 +22,15 @@ from orin.manifest import (
     utc_now,
     write_manifest,
 )
+from orin.device.select import pick_device
+from orin.errors import ModelError, UsageError
 
 from .settings import QuantConfig, quantization_record, quantizer_name
 
 
 def validate(cfg: QuantConfig) -> dict:
     """Everything about the run that can be checked cheaply, and what the run needs of it (the plan dict)."""
-    from orin.modelcfg import config_path
+    from orin.model.config_file import config_path
 
     from .adapters import check_group_size
     from .hf_config import load_config
@@ -55,9 +55,9 @@ def validate(cfg: QuantConfig) -> dict:
     from .writer import shared_file_names
 
     shared_file_names(model_dir)
-    from orin.layout import find_targets
-    from orin.model_config import load_omni_config
-    from orin.model_sizes import meta_model
+    from orin.checkpoint.targets import find_targets
+    from orin.memory.model_sizes import meta_model
+    from orin.model.config import load_omni_config
 
     skeleton = meta_model(load_omni_config(model_dir))
     targets = find_targets(skeleton, cfg.spec)
@@ -121,7 +121,7 @@ def create_out(cfg: QuantConfig, plan: dict, wipe: bool) -> Manifest:
     """A fresh manifest with no finished segment, the shared files copied and config.json written beside it.
     config.json's quantization_config names every INT4 module of the whole split, decided here before any GPTQ:
     each segment writes exactly its share of them (checked in _write)."""
-    from orin.checkpoint_layout import INDEX_NAME, model_quantization_config
+    from orin.checkpoint.files import INDEX_NAME, model_quantization_config
 
     from .report import drop_segments
     from .writer import copy_shared_files

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orin.layout import Target
+from orin.checkpoint.targets import Target
 
 from . import adapters as A
 from .activations import StackData

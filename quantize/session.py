@@ -10,8 +10,8 @@ from pathlib import Path
 
 from orin import __version__
 from orin import components as C
+from orin.checkpoint.manifest import Manifest, SegmentEntry, read_manifest, utc_now, write_segment_entry
 from orin.errors import InputError, ModelError
-from orin.manifest import Manifest, SegmentEntry, read_manifest, utc_now, write_segment_entry
 
 from .progress import Progress
 from .settings import QuantConfig, calibration_source, quantization_record
@@ -46,7 +46,7 @@ class Session:
               memory, meter) -> Session:
         import torch
 
-        from orin.layout import find_targets
+        from orin.checkpoint.targets import find_targets
 
         from . import adapters as A
         from .activations import Placement
@@ -79,8 +79,8 @@ class Session:
 
     def quantize_segment(self, name: str, comps: tuple[str, ...]) -> Manifest:
         """GPTQ the segment's stacks in pipeline order, measure it, write its shard, then add its entry."""
-        from orin.checkpoint import int4_module_of
-        from orin.checkpoint_layout import read_header
+        from orin.checkpoint.files import read_header
+        from orin.checkpoint.reader import int4_module_of
 
         from . import adapters as A
         from .gptq import GPTQSolver, resolve_solver
@@ -189,7 +189,7 @@ def _calib_info(cfg: QuantConfig, samples: list) -> dict:
 def memory_plan(cfg: QuantConfig, plan: dict, samples: list, comps: set[str]):
     """Where the run keeps what (quantize/memory.py), measured on these samples for these components, within
     --max-gpu-memory and --max-host-memory."""
-    from orin.layout import find_targets
+    from orin.checkpoint.targets import find_targets
 
     from . import adapters as A
     from .memory import make_plan, measure
@@ -277,7 +277,7 @@ def _write(out: Path, name: str, comps: tuple[str, ...], session: Session, targe
            started: str, extra: dict, planned: list) -> SegmentEntry:
     """Write the segment's shard; `targets` are the INT4 modules quantized in it (model order), which must be
     the ones config.json's quantization_config promised (`planned`, the whole split's)."""
-    from orin.checkpoint_layout import segment_shards
+    from orin.checkpoint.files import segment_shards
 
     from .writer import shard_plan, write_shard
 

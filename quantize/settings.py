@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from orin.layout import QuantSpec
+from orin.checkpoint.targets import QuantSpec
 
 from .memory import DEFAULT_MAX_GPU_MEMORY, DEFAULT_MAX_HOST_MEMORY
 from .skips import BUILTIN_SOURCE

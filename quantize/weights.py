@@ -1,11 +1,11 @@
 """The BF16 model in bounded memory: a skeleton of transformers' model whose parameters live on the meta device,
 filled one module at a time from the checkpoint's safetensors files and emptied again.
 
-The skeleton is `Qwen3OmniMoeForConditionalGeneration` built under orin.skeleton.params_on_meta: its buffers
+The skeleton is `Qwen3OmniMoeForConditionalGeneration` built under orin.memory.skeleton.params_on_meta: its buffers
 (rotary frequencies, code2wav's code offsets) are real and equal to what from_pretrained gives, its parameters
 are shapes only. `Residency.load(prefix)` reads the module's tensors from the source checkpoint (hub names mapped
 to transformers 5.23's, per-expert weights stacked into the fused expert tensors, floats cast to BF16 as
-from_pretrained(dtype=bfloat16) casts them) straight onto the device, through orin.block_reader's staging buffers:
+from_pretrained(dtype=bfloat16) casts them) straight onto the device, through orin.memory.block_reader's staging buffers:
 no copy of the file is ever held in host memory. `release(prefix)` puts the parameters back on meta.
 
 With `quantized=True` a module's INT4 targets that this run has already quantized come from their GPTQ tensors
@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from orin.checkpoint.hub_names import expert_part, to_hub, to_runtime
 from orin.errors import ModelError
-from orin.hub_names import expert_part, to_hub, to_runtime
 
 
 def build_skeleton(config) -> nn.Module:
     """transformers' model for `config` with every parameter on meta (BF16) and every buffer real."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.skeleton import params_on_meta
+    from orin.memory.skeleton import params_on_meta
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # what from_pretrained(dtype=bfloat16) builds the modules under
@@ -47,7 +47,7 @@ def source_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files: those its index names, else every *.safetensors."""
     import json
 
-    from orin.checkpoint_layout import INDEX_NAME
+    from orin.checkpoint.files import INDEX_NAME
 
     index = model_dir / INDEX_NAME
     if index.is_file():
@@ -77,7 +77,7 @@ class SourceWeights:
     and projection in stacking order."""
 
     def __init__(self, model_dir: Path):
-        from orin.checkpoint_layout import read_header
+        from orin.checkpoint.files import read_header
 
         self.model_dir = model_dir
         self.parts: dict[str, list[_Part]] = {}
@@ -103,7 +103,7 @@ class SourceWeights:
 
     def read_part(self, part: _Part, dtype: torch.dtype) -> torch.Tensor:
         """One stored tensor in host memory, floats cast to `dtype` (copying a BF16 weight into a shard)."""
-        from orin.block_reader import BlockReader
+        from orin.memory.block_reader import BlockReader
 
         tensor = BlockReader(Path(part.file), torch.device("cpu")).read([part.key], max_gap=0)[part.key]
         return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
@@ -112,7 +112,7 @@ class SourceWeights:
         """The named runtime parameters on `device`, in the dtype of `like[name]` (the skeleton's meta tensors),
         with their shapes checked. Fused experts are read one tensor at a time (one staging of the per-expert
         weights, then the fused copy), so a thinker layer never needs twice its size."""
-        from orin.block_reader import BlockReader
+        from orin.memory.block_reader import BlockReader
 
         out: dict[str, torch.Tensor] = {}
         plain = [n for n in names if len(self.parts[n]) == 1 and expert_part(to_runtime(self.parts[n][0].key)) is None]
@@ -172,7 +172,7 @@ class QuantizedStore:
         of a Linear, or the fused gate_up_proj and down_proj of an experts module."""
         from safetensors import safe_open
 
-        from orin.gptq_format import GPTQ_KEYS
+        from orin.checkpoint.gptq_format import GPTQ_KEYS
 
         from .gptq import QuantResult
 

@@ -1,4 +1,4 @@
-"""Writing the quantized checkpoint in the standard layout of orin.checkpoint_layout: the source's tokenizer and
+"""Writing the quantized checkpoint in the standard layout of orin.checkpoint.files: the source's tokenizer and
 processor files copied once, config.json with the quantization_config, then one shard per segment (written tensor
 by tensor to a temporary file, hashed on the way, and renamed into place: the segment never sits in memory whole)
 and the index over the finished shards. The manifest entry that marks the segment finished is added afterwards by
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from orin.checkpoint_layout import write_config_files, write_index
+from orin.checkpoint.files import write_config_files, write_index
+from orin.checkpoint.hub_names import to_hub, unfused_names
+from orin.checkpoint.manifest import FileEntry, file_entry
+from orin.checkpoint.targets import Target
 from orin.components import component_of
 from orin.errors import ModelError
 from orin.fsutil import atomic_path
-from orin.hub_names import to_hub, unfused_names
-from orin.layout import Target
-from orin.manifest import FileEntry, file_entry
 
 # Copied into OUT as they are, when present: what the loader needs to rebuild the processor. config.json is
 # written (the source's plus quantization_config), not copied.
@@ -77,8 +77,8 @@ def shard_plan(skeleton, source, components: tuple[str, ...], targets: list[Targ
     one weight per expert, as the hub stores them); persistent buffers from the model."""
     from safetensors import safe_open
 
-    from orin.checkpoint_layout import read_header
-    from orin.hub_names import is_fused_experts
+    from orin.checkpoint.files import read_header
+    from orin.checkpoint.hub_names import is_fused_experts
 
     entries = []
     replaced = _replaced(targets)
@@ -120,7 +120,7 @@ def shard_plan(skeleton, source, components: tuple[str, ...], targets: list[Targ
 def write_shard(out: Path, shard: str, plan: list, finished_shards: list[str]) -> tuple[FileEntry, int]:
     """Write one segment's shard from its plan (shard_plan) tensor by tensor through a temporary file, then the
     index over it and the shards already finished; return the shard's file entry and its tensor payload bytes."""
-    from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
+    from orin.checkpoint.safetensors_stream import PlannedTensor, write_safetensors_stream
 
     planned = [PlannedTensor(name, dtype, shape) for name, dtype, shape, _ in plan]
     with atomic_path(out / shard) as tmp:

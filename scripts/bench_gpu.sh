@@ -5,7 +5,7 @@
 #
 # The GPU image has torch 2.11 and transformers 5.17; orin-omni pins transformers 5.23 (module names differ), so
 # its wheel travels in .whl/ (with regex, which 5.23 needs newer than the image may have, and PyAV, which the image
-# lacks: the video cases time orin.video.load_video with it):
+# lacks: the video cases time orin.inputs.video.load_video with it):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

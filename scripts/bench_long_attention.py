@@ -2,7 +2,7 @@
 causal attention fastest, and whether it computes what the engine's path computes.
 
 A 2 fps, 120 s clip is a ~25k-token prompt; its attention is half the thinker prefill's FLOPs (32 query heads
-over 4 KV heads, head_dim 128). The engine (orin.attention._attend_after) runs it 4,096 queries at a time on
+over 4 KV heads, head_dim 128). The engine (orin.runtime.attention._attend_after) runs it 4,096 queries at a time on
 flash-attention 2 (lower-right causal over the cache's prefix); transformers' reference runs it in one call on
 cuDNN's Hopper kernel. For each variant this prints ms per layer, the error against float32 math on a sample of
 rows, and (cuDNN) the first call's time on a new shape, the plan it builds. JSON to stdout.

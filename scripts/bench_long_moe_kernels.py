@@ -15,8 +15,8 @@ sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from orin import int4pack  # noqa: E402
-from orin.gptq_format import random_gptq_v1  # noqa: E402
+from orin.checkpoint.gptq_format import random_gptq_v1  # noqa: E402
+from orin.int4 import pack as int4pack  # noqa: E402
 from orin.kernels import int4_gemm, moe_combine, silu_mul  # noqa: E402
 
 T, E = 25159, 128

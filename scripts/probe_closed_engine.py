@@ -23,7 +23,7 @@ from devtools.bench_config import BenchConfig, bench_request, free, make_inputs 
 from devtools.bench_engine import _load_all, open_engine, profile_request, run_time_sliced, stream_request  # noqa: E402
 from devtools.bench_kernels import decode_timings, prefill_timings  # noqa: E402
 from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
-from orin.engine import EngineConfig  # noqa: E402
+from orin.runtime.engine import EngineConfig  # noqa: E402
 from orin.units import parse_bytes  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from devtools.bench_config import BenchConfig, bench_request, free, make_video_cases  # noqa: E402
 from devtools.bench_engine import _load_all, open_engine, stream_request, warm_chunks  # noqa: E402
 from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
-from orin.engine import EngineConfig  # noqa: E402
+from orin.runtime.engine import EngineConfig  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
 ck = os.environ.get("PROFILE_CKPT", "/tmp/probe/ckpt")
@@ -104,9 +104,9 @@ say("held when the request was cut:", [(round(s / 2**20), n) for n, s in before.
 # ---- the talker's start, step by step, unprofiled: the device synchronized at each step's edges (it is idle there
 # but for the prefill), so each step's time is its own; the decoder's prefill also timed to its return (the host's
 # launches) apart from its end on the device
-from orin import decode  # noqa: E402
-from orin import positions as positions_mod  # noqa: E402
-from orin import talker as talker_mod  # noqa: E402
+from orin.model import positions as positions_mod  # noqa: E402
+from orin.runtime import decode  # noqa: E402
+from orin.runtime import talker as talker_mod  # noqa: E402
 
 steps = collections.defaultdict(list)
 
@@ -186,7 +186,7 @@ mark(decode.StaticDecoder, "_alloc",
      lambda dec: "thinker_alloc" if dec is engine.decoders._made.get("thinker") else "talker_alloc")
 mark(positions_mod, "mrope_positions", "mrope_positions")
 for mod in ("vision_encoder", "audio_encoder"):
-    m = __import__(f"orin.{mod}", fromlist=["x"])
+    m = __import__(f"orin.model.{mod}", fromlist=["x"])
     for cls in vars(m).values():
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == m.__name__ and \
                 cls.__name__.endswith("Encoder"):

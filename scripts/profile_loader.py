@@ -19,9 +19,9 @@ import torch  # noqa: E402
 
 from devtools.bench_storage import storage_bandwidth  # noqa: E402
 from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint  # noqa: E402
-from orin.checkpoint import Checkpoint  # noqa: E402
-from orin.loader import Loader  # noqa: E402
-from orin.packed_cache import PackedCache  # noqa: E402
+from orin.checkpoint.reader import Checkpoint  # noqa: E402
+from orin.memory.loader import Loader  # noqa: E402
+from orin.memory.packed_cache import PackedCache  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")
 ck = os.environ.get("PROFILE_CKPT", "/tmp/probe/ckpt")
@@ -47,7 +47,7 @@ if not os.path.exists(ck):
 dev = torch.device(DEVICE)
 ckpt = Checkpoint.open(ck, verify=False)
 # a budget (none fits under it: nothing is evicted but what the script evicts) makes the loader time-sliced:
-# on CUDA, weights in their arenas (orin.weight_arena); PROFILE_BUDGET=0 profiles the all-resident loader
+# on CUDA, weights in their arenas (orin.memory.arena); PROFILE_BUDGET=0 profiles the all-resident loader
 budget = int(os.environ.get("PROFILE_BUDGET", str(1 << 40))) or None
 loader = Loader(ckpt, dev, torch.bfloat16, budget,
                 packed=PackedCache.open(ck + "/packed", ckpt, dev, torch.bfloat16))
@@ -112,13 +112,13 @@ for piece in PIECES:
 def phases(piece: str, reps: int = 3) -> dict:
     """Wall seconds inside each step of the loading thread's path, per load of `piece` (the steps nest: a read
     holds its settle; a packed load holds its reads), beside the load's own seconds."""
-    import orin.block_reader as br
-    import orin.int4 as i4
-    import orin.int4_experts as i4e
-    import orin.loader as ld
-    import orin.packed_cache as pc
-    import orin.unit_reader as ur
-    import orin.weight_arena as wa
+    import orin.int4.experts as i4e
+    import orin.int4.linear as i4
+    import orin.memory.arena as wa
+    import orin.memory.block_reader as br
+    import orin.memory.loader as ld
+    import orin.memory.packed_cache as pc
+    import orin.memory.unit_reader as ur
 
     spent: dict = {}
     patched = []

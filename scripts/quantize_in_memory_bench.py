@@ -36,13 +36,13 @@ def main() -> None:
     import torch
     from quantize_oracle import quantize_in_memory
 
-    from orin.attention import without_cudnn_attention
+    from orin.runtime.attention import without_cudnn_attention
     from quantize.pipeline import QuantConfig
 
     cfg = QuantConfig(model=args.model_dir, out="", samples=args.samples, speech_samples=args.speech_samples,
                       device=args.device, solver="own")
     start = time.perf_counter()
-    with without_cudnn_attention():  # as the streamed run's passes (orin.attention)
+    with without_cudnn_attention():  # as the streamed run's passes (orin.runtime.attention)
         out = quantize_in_memory(args.model_dir, cfg)
     wall = time.perf_counter() - start
     cuda = torch.device(args.device).type == "cuda"

@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 from devtools.bench_config import BenchConfig, bench_request, make_inputs
 from devtools.synthetic import SyntheticConfig, write_synthetic_checkpoint
-from orin.engine import Engine, EngineConfig
+from orin.runtime.engine import Engine, EngineConfig
 
 out = os.environ.get("OUT", "/tmp")
 ck = "/tmp/probe/ckpt"

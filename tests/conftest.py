@@ -29,7 +29,7 @@ os.environ["ORIN_OMNI_PACKED_CACHE"] = "off"
 def _packed_copies_need_no_spare_disk(monkeypatch):
     """The packed cache leaves 2 GiB free on its disk; a test machine may have less (CI's /tmp had 1.6 GiB) while
     the tiny model's copies are a few MiB. test_packed_cache checks the margin itself."""
-    from orin import packed_cache
+    from orin.memory import packed_cache
 
     monkeypatch.setattr(packed_cache, "DISK_MARGIN", 0)
 
@@ -109,7 +109,7 @@ def quantized_dir(pytestconfig, tiny_model_dir, tmp_path_factory) -> str:
 def engine(quantized_dir):
     """One CPU engine on the quantized tiny model, shared by the engine, server and smoke tests (requests are
     serialised by the engine itself). Tests that need other settings build their own."""
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
     yield eng
@@ -124,7 +124,7 @@ def graph_engine(quantized_dir):
     from dataclasses import replace
 
     from orin.device.profile import CPU
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     profile = replace(CPU, capture=replace(CPU.capture, cpu_graph_path=True))
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", profile=profile))
@@ -139,7 +139,7 @@ def make_decoder(graph_engine):
     deferral on (a server's), the graph engine's profile with these prefill and capture numbers."""
     from dataclasses import replace
 
-    from orin.decode import StaticDecoder
+    from orin.runtime.decode import StaticDecoder
 
     graph_engine.loader.ensure("thinker_text")
     thinker, base, made = graph_engine.model.thinker, graph_engine.profile, []
@@ -221,7 +221,7 @@ def server(engine, quantized_dir):
     at server_kit.SPEECH_S (the tiny model's random talker never ends its speech on its own)."""
     from server_kit import SPEECH_S
 
-    from orin.engine import EngineConfig
+    from orin.runtime.engine import EngineConfig
     from orin.serve.app import ServeConfig, Server
 
     srv = Server(ServeConfig(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"), port=0,

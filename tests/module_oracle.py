@@ -22,8 +22,8 @@ def real_meta_trees(real_config: str, section: str, hf_class, our_class):
     """The real config's `thinker_config.<section>` encoder on meta: transformers' (the oracle), ours built under
     the loader's params_on_meta (its skeleton) and ours built with device="meta", and transformers' parameter
     shapes and dtypes by name."""
-    from orin.modelcfg import read_config_dict
-    from orin.skeleton import params_on_meta
+    from orin.memory.skeleton import params_on_meta
+    from orin.model.config_file import read_config_dict
     from quantize.hf_config import load_config
 
     with params_on_meta():
@@ -60,7 +60,7 @@ def random_state(model: torch.nn.Module, seed: int, matrix_scale: float = 0.5) -
 def hf_prompt_inputs(hf_processor, messages, device: str = "cpu") -> dict:
     """A request's messages through transformers' processor (quantize.hf_processor.build_processor), as the engine
     prepared them before it had its own processor: the oracle for orin.inputs and the positions."""
-    from orin.inputs.prompt import split_media
+    from orin.inputs.placeholders import split_media
 
     conv = split_media(messages)
     text = hf_processor.apply_chat_template(conv.messages, add_generation_prompt=True, tokenize=False)
@@ -71,13 +71,13 @@ def hf_prompt_inputs(hf_processor, messages, device: str = "cpu") -> dict:
 
 def hf_twin(model, model_dir):
     """transformers' Qwen3OmniMoeForConditionalGeneration holding the very tensors of orin-omni's loaded `model`
-    (orin.model.OmniModel, the same parameter names): parameters shared, INT4 shells shared as modules, HF's own
+    (orin.model.omni.OmniModel, the same parameter names): parameters shared, INT4 shells shared as modules, HF's own
     buffers (rotary tables) moved to the model's device. The oracle then runs on exactly the weights the engine
     runs. Build it after the components it will touch are resident: a later swap gives the engine new tensors."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from orin.int4 import Int4Experts, Int4Linear
-    from orin.skeleton import params_on_meta
+    from orin.int4.linear import Int4Experts, Int4Linear
+    from orin.memory.skeleton import params_on_meta
     from quantize.hf_config import load_config
 
     with params_on_meta():

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from orin import components as C
-from orin.checkpoint_layout import hub_state
+from orin.checkpoint.files import hub_state
+from orin.checkpoint.targets import find_targets
 from orin.components import component_of
-from orin.layout import find_targets
 from quantize import adapters as A
 from quantize.activations import Placement, StackData
 from quantize.capture import (

@@ -15,8 +15,8 @@ import numpy as np
 import openai
 from PIL import Image
 
-from orin.engine import EngineConfig
-from orin.media import encode_wav, synth_image, synth_speechlike
+from orin.inputs.media import encode_wav, synth_image, synth_speechlike
+from orin.runtime.engine import EngineConfig
 from orin.serve.app import ServeConfig, Server
 from orin.serve.metrics import parse_metrics
 

@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import soundfile as sf
 
-from orin.media import encode_pcm16, resample
+from orin.inputs.media import encode_pcm16, resample
 
 
 def espeak_path() -> str:

@@ -1,4 +1,4 @@
-"""orin.audio_encoder against transformers' Qwen3OmniMoeAudioEncoder (the oracle), reached the way the engine
+"""orin.model.audio_encoder against transformers' Qwen3OmniMoeAudioEncoder (the oracle), reached the way the engine
 reaches it today (Qwen3OmniMoeThinkerModel.get_audio_features): same state dict both ways, same tokens to 1e-5
 in float32 on CPU for one audio and several, short, chunk-aligned, window-aligned, partial-tailed and 30 s long,
 the plan cache keyed by lengths and layout, and the real config's tree on meta."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state, real_meta_trees
 
-from orin.audio_encoder import AudioEncoder
 from orin.audio_format import audio_token_count
 from orin.errors import InputError
-from orin.modelcfg import read_config_dict
+from orin.model.audio_encoder import AudioEncoder
+from orin.model.config_file import read_config_dict
 from quantize.hf_config import load_config
 
 ATOL = 1e-5
@@ -34,7 +34,7 @@ def hf_encoder(config, attn: str):
 
 
 def hf_features(hf, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """transformers' own get_audio_features (the padded batch and its mask, as orin/thinker.py calls it) on a
+    """transformers' own get_audio_features (the padded batch and its mask, as orin/runtime/thinker.py calls it) on a
     stand-in thinker that holds only the audio tower, the one attribute that method reads."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerModel
 

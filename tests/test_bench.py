@@ -11,10 +11,10 @@ import torch
 
 
 def test_synthetic_checkpoint_is_a_verified_quantized_checkpoint(synthetic_dir):
-    from orin.checkpoint import Checkpoint
-    from orin.layout import QuantSpec, find_targets
-    from orin.manifest import read_manifest
-    from orin.model_sizes import meta_model
+    from orin.checkpoint.manifest import read_manifest
+    from orin.checkpoint.reader import Checkpoint
+    from orin.checkpoint.targets import QuantSpec, find_targets
+    from orin.memory.model_sizes import meta_model
 
     ckpt = Checkpoint.open(synthetic_dir, verify=True)  # every file's size and sha256 against the manifest
     targets = find_targets(meta_model(ckpt.config), QuantSpec())
@@ -32,7 +32,7 @@ def test_synthetic_checkpoint_is_a_verified_quantized_checkpoint(synthetic_dir):
 
 def test_stacked_random_experts_are_valid_gptq():
     from devtools.synthetic import random_experts_gptq
-    from orin.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, gptq_v1_geometry
+    from orin.checkpoint.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, gptq_v1_geometry
 
     gen = torch.Generator().manual_seed(0)
     s = random_experts_gptq(3, 256, 64, 128, generator=gen, device="cpu")
@@ -51,7 +51,7 @@ def test_safetensors_stream_matches_the_plan_and_hash(tmp_path):
 
     from safetensors import safe_open
 
-    from orin.safetensors_stream import PlannedTensor, write_safetensors_stream
+    from orin.checkpoint.safetensors_stream import PlannedTensor, write_safetensors_stream
 
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.qweight": torch.arange(12, dtype=torch.int32).view(3, 4),
                "c": torch.ones(7, dtype=torch.float16)}
@@ -162,7 +162,7 @@ def test_active_bytes_at_real_dimensions(real_config, tmp_path):
     import shutil
 
     from devtools.bench_projection import active_bytes, orin_projection
-    from orin.model_config import load_omni_config
+    from orin.model.config import load_omni_config
 
     act = active_bytes(load_omni_config(real_config))
     assert 2.0e9 < act["thinker_text"] < 2.2e9
@@ -295,7 +295,7 @@ def test_video_case_at_real_dimensions(real_config, tmp_path):
 
     from devtools.bench_config import BenchConfig, make_video_cases
     from devtools.bench_projection import gpu_flops_ratio, video_flops, video_projection
-    from orin.model_config import load_omni_config
+    from orin.model.config import load_omni_config
 
     (case,) = make_video_cases(BenchConfig(video_seconds=120, video_fps=(2.0,)))
     info = case.describe()

@@ -1,4 +1,4 @@
-"""orin.block_reader: many tensors of a safetensors file in one read give exactly what safetensors reads one at a
+"""orin.memory.block_reader: many tensors of a safetensors file in one read give exactly what safetensors reads one at a
 time (misaligned offsets, runs split at gaps, on the loader's device), and a truncated file is named."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orin.block_reader import BlockReader, tensor_index
 from orin.device.profile import MemoryTuning
 from orin.errors import ModelError
+from orin.memory.block_reader import BlockReader, tensor_index
 
 MAX_GAP = MemoryTuning().max_read_gap
 
@@ -70,9 +70,9 @@ def test_the_loader_reads_everything_but_its_first_block_ahead(quantized_dir, mo
     """Loading a component: its plain tensors come in batches, one read each, and every read but the very first
     (plain batches and each INT4 module's first read) was started in the background while the batch or module
     before it was assigned or converted (none is read twice: an unused read-ahead would be)."""
-    from orin.block_reader import BlockReader as Reader
-    from orin.checkpoint import Checkpoint
-    from orin.loader import Loader
+    from orin.checkpoint.reader import Checkpoint
+    from orin.memory.block_reader import BlockReader as Reader
+    from orin.memory.loader import Loader
 
     served, direct, plain = [], [], []
     read = Reader.read

@@ -15,7 +15,7 @@ from PIL import Image
 
 from orin.contract import Report
 from orin.errors import BudgetError, InputError, ModelError
-from orin.media import encode_pcm16, encode_wav, synth_image, synth_tone
+from orin.inputs.media import encode_pcm16, encode_wav, synth_image, synth_tone
 from orin.serve.chat_request import generation_request, parse_chat
 from orin.serve.protocol import (
     ApiError,

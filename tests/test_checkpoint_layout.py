@@ -10,8 +10,8 @@ import pytest
 import torch
 from module_oracle import hf_twin
 
-from orin.checkpoint_layout import quantization_config, segment_shards
-from orin.hub_names import expert_part, to_hub, to_runtime, unfused_names
+from orin.checkpoint.files import quantization_config, segment_shards
+from orin.checkpoint.hub_names import expert_part, to_hub, to_runtime, unfused_names
 
 PAIRS = [
     ("thinker.model.language_model.layers.3.self_attn.q_proj.weight", "thinker.model.layers.3.self_attn.q_proj.weight"),
@@ -78,7 +78,7 @@ def published_style_dir(tiny_model_dir, tmp_path_factory):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from orin.gptq_format import quantize_rtn
+    from orin.checkpoint.gptq_format import quantize_rtn
 
     out = tmp_path_factory.mktemp("published") / "ckpt"
     shutil.copytree(tiny_model_dir, out)
@@ -107,9 +107,9 @@ def published_style_dir(tiny_model_dir, tmp_path_factory):
 
 def test_a_published_gptq_checkpoint_loads_with_experts_fused_at_load_time(published_style_dir, caplog):
     from devtools.tiny import build_tiny_model
-    from orin.checkpoint import Checkpoint
-    from orin.gptq_format import dequantize_gptq_v1, quantize_rtn
-    from orin.loader import Loader
+    from orin.checkpoint.gptq_format import dequantize_gptq_v1, quantize_rtn
+    from orin.checkpoint.reader import Checkpoint
+    from orin.memory.loader import Loader
 
     root, quantized = published_style_dir
     ckpt = Checkpoint.open(root)
@@ -153,7 +153,7 @@ def test_a_published_gptq_checkpoint_loads_with_experts_fused_at_load_time(publi
 
 
 def test_a_directory_without_weights_or_gptq_config_is_refused_clearly(tiny_model_dir, tmp_path):
-    from orin.checkpoint import Checkpoint
+    from orin.checkpoint.reader import Checkpoint
     from orin.errors import ModelError
 
     with pytest.raises(ModelError, match="no GPTQ quantization_config.*orin-omni quantize"):

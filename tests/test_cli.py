@@ -16,7 +16,7 @@ from orin.cli import cli
 for args in (["--help"], ["plan", "--help"], ["quantize", "--help"], ["serve", "--help"], ["install-service", "--help"]):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, (args, result.output)
-import orin.power.meter, orin.units, orin.components, orin.manifest, orin.contract, orin.audio_format
+import orin.power.meter, orin.units, orin.components, orin.checkpoint.manifest, orin.contract, orin.audio_format
 heavy = sorted(m for m in ("torch", "transformers", "numpy", "quantize", "gptqmodel") if m in sys.modules)
 print(",".join(heavy) or "light")
 """
@@ -28,8 +28,9 @@ def test_help_and_light_modules_import_nothing_heavy():
 
 
 def test_device_side_never_imports_quantize():
-    device_modules = ["loader", "engine", "serve.app", "power.meter", "checkpoint", "int4", "checks.smoke", "media",
-                      "plan", "decode", "thinker", "talker", "vocoder", "contract"]
+    device_modules = ["memory.loader", "runtime.engine", "serve.app", "power.meter", "checkpoint.reader", "int4.linear",
+                      "checks.smoke", "inputs.media", "memory.plan", "runtime.decode", "runtime.thinker",
+                      "runtime.talker", "runtime.vocoder", "contract"]
     probe = ("import sys\n" + "".join(f"import orin.{m}\n" for m in device_modules)
              + "print('quantize' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)

@@ -1,4 +1,4 @@
-"""orin.code2wav against transformers' Qwen3OmniMoeCode2Wav (the oracle): same state dict both ways, same
+"""orin.model.code2wav against transformers' Qwen3OmniMoeCode2Wav (the oracle): same state dict both ways, same
 waveform to 1e-5 in float32 on CPU, whole and in the vocoder's chunks, and the real config's tree on meta."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state
 
-from orin.code2wav import Code2Wav
 from orin.device.profile import CPU
-from orin.modelcfg import read_config_dict
+from orin.model.code2wav import Code2Wav
+from orin.model.config_file import read_config_dict
 from quantize.hf_config import load_config
 
 SPEECH = CPU.speech  # the chunk schedule (every profile's today)
@@ -50,7 +50,7 @@ def random_codes(frames: int, seed: int, quantizers: int = 4, codebook: int = 64
 
 
 def vocoder_schedule(model, codes: torch.Tensor) -> torch.Tensor:
-    """orin/vocoder.py's chunking: chunks of SPEECH.chunk_frames(done) frames, each with up to LEFT_CONTEXT
+    """orin/runtime/vocoder.py's chunking: chunks of SPEECH.chunk_frames(done) frames, each with up to LEFT_CONTEXT
     frames before it, whose samples are cut off the front."""
     wavs, done, frames = [], 0, codes.shape[-1]
     while done < frames:
@@ -154,7 +154,7 @@ def test_codes_of_the_wrong_shape_are_refused(tiny_pair):
 def test_real_config_tree_on_meta(real_config):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-    from orin.skeleton import params_on_meta
+    from orin.memory.skeleton import params_on_meta
 
     with params_on_meta():
         hf = Qwen3OmniMoeCode2Wav(load_config(real_config).code2wav_config)
@@ -189,9 +189,9 @@ def test_the_vocoders_odd_chunks_replay_the_recurring_shapes(tiny_pair, frames, 
     from types import SimpleNamespace
 
     from orin.contract import GenerationRequest
-    from orin.encoder_graphs import EncoderGraphs
-    from orin.request_state import RequestState
-    from orin.vocoder import Vocoder
+    from orin.runtime.encoder_graphs import EncoderGraphs
+    from orin.runtime.request_state import RequestState
+    from orin.runtime.vocoder import Vocoder
 
     ours = tiny_pair["random"][0]
     codes = random_codes(frames, seed=frames)

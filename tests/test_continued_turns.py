@@ -1,5 +1,5 @@
 """A conversation's next turn (GenerationRequest.continues, set by the Realtime API) reads the rows its prompt
-shares with the last one from the KV cache instead of computing them again (orin.decode.StaticDecoder.prefill):
+shares with the last one from the KV cache instead of computing them again (orin.runtime.decode.StaticDecoder.prefill):
 the same logits and recorded hidden states as a whole prefill, only where the rows are truly the same and still
 in the cache; and a Realtime conversation's every turn replaying its graph. CPU, through the graph path's
 bookkeeping as in tests/test_deferred_captures.py."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orin.decode import PrefillInputs, PrefillRoute
 from orin.device.profile import CPU
-from orin.prefill_route import GraphKey, prefill_bucket
+from orin.runtime.decode import PrefillInputs, PrefillRoute
+from orin.runtime.prefill_route import GraphKey, prefill_bucket
 
 GRANULE = CPU.memory.cache_granule
 
@@ -174,7 +174,7 @@ def test_a_conversations_turns_through_the_engine_equal_whole_prefills(engine):
     """Two Realtime-like turns through the engine: the second, continuing the first, gives the same text and
     speech as the same request prefilled whole, and reads its shared rows (the timeline says so)."""
     from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
-    from orin.media import synth_speechlike
+    from orin.inputs.media import synth_speechlike
 
     first = [{"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(6.0, seed=3)},
                                           {"type": "text", "text": "What did you hear?"}]}]
@@ -228,7 +228,7 @@ def test_a_conversations_second_turn_replays_the_bucket_its_first_answer_wanted(
     as long as this one) are predicted from the prompt and the answer's length, and their bucket is captured while
     idle, so the second turn replays a graph; the first turn's prefill had only wanted buckets as long as itself
     (its system prompt included), which the second turn's rows outgrow here."""
-    from orin.media import synth_speechlike
+    from orin.inputs.media import synth_speechlike
 
     thinker = _fresh_thinker(graph_engine)
     first = [{"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(6.0, seed=3)},
@@ -293,7 +293,7 @@ def test_every_turn_of_a_realtime_conversation_replays_its_cuda_graph(request):
     torch_ = pytest.importorskip("torch")
     if not torch_.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
     engine = Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
@@ -331,7 +331,7 @@ def test_the_talkers_projections_run_on_fixed_blocks(rows):
     """The talker's user-turn projections see only blocks of the profile's projection_rows (a long prompt's:
     long_projection_rows, here 40), whatever the prompt's length, so a row's projection has the same bits in every
     turn (on CUDA a GEMM's kernel depends on its rows)."""
-    from orin.talker import in_blocks
+    from orin.runtime.talker import in_blocks
 
     block = rows or CPU.prefill.projection_rows
     proj = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8))

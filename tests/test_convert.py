@@ -17,17 +17,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from orin import components as C
-from orin.checkpoint_layout import INDEX_NAME, VISION_FC2_RULE, read_header
+from orin.checkpoint.convert import SYM_NOTE, ConvertConfig, convert_checkpoint
+from orin.checkpoint.files import INDEX_NAME, VISION_FC2_RULE, read_header
+from orin.checkpoint.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, pad_in_features, quantize_rtn
+from orin.checkpoint.hub_names import expert_part, to_hub, to_runtime
+from orin.checkpoint.manifest import Manifest, SegmentEntry, file_entry, read_manifest, verify_files, write_manifest
 from orin.cli import cli
-from orin.convert import SYM_NOTE, ConvertConfig, convert_checkpoint
 from orin.errors import ChecksumError, UsageError
 from orin.fsutil import sha256_file
-from orin.gptq_format import decode_qzeros_v1, dequantize_gptq_v1, pad_in_features, quantize_rtn
-from orin.hub_names import expert_part, to_hub, to_runtime
-from orin.manifest import Manifest, SegmentEntry, file_entry, read_manifest, verify_files, write_manifest
 
 G = 128
-# 0.1's INT4 targets under the default settings (its orin.layout rules): the vision MLP's fc2 was one of them.
+# 0.1's INT4 targets under the default settings (its orin.checkpoint.targets rules): the vision MLP's fc2 was one of them.
 OLD_TARGETS = re.compile(
     r"^(thinker\.model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts|mlp\.(gate|up|down)_proj)"
     r"|thinker\.model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
@@ -245,16 +245,16 @@ def test_vision_fc2_becomes_its_dequantized_int4_weight(converted):
 
 
 def test_old_and_converted_load_to_the_same_model(converted, caplog):
-    from orin.checkpoint import Checkpoint
-    from orin.int4 import Int4Linear
-    from orin.loader import Loader
+    from orin.checkpoint.reader import Checkpoint
+    from orin.int4.linear import Int4Linear
+    from orin.memory.loader import Loader
 
     old, out, bf16, _ = converted
-    with caplog.at_level(logging.WARNING, logger="orin.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="orin.checkpoint.reader"):
         old_ckpt = Checkpoint.open(old)
     assert any("orin-omni convert" in r.getMessage() and "--out" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="orin.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="orin.checkpoint.reader"):
         new_ckpt = Checkpoint.open(out)
     assert not any("orin-omni convert" in r.getMessage() for r in caplog.records)
 

@@ -1,4 +1,4 @@
-"""orin.decode, the engine's only decode path, against the HF modules it replaces (the oracle): the thinker's
+"""orin.runtime.decode, the engine's only decode path, against the HF modules it replaces (the oracle): the thinker's
 prefill and steps, the talker and code predictor through the whole pipeline against HF generate(), and the text
 embeddings the talker reads once the thinker is swapped out. CPU, on the synthetic INT4 checkpoint."""
 
@@ -12,7 +12,7 @@ from orin.contract import AudioChunk, GenerationRequest
 
 
 def _speech_request(tokens=10, frames=5, ignore_eos=True):
-    from orin.media import synth_image, synth_speechlike
+    from orin.inputs.media import synth_image, synth_speechlike
 
     parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(1.0)},
              {"type": "text", "text": "Describe it all."}]
@@ -22,7 +22,7 @@ def _speech_request(tokens=10, frames=5, ignore_eos=True):
 
 @pytest.fixture(scope="module")
 def synthetic_engine(synthetic_dir):
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model_dir=synthetic_dir, device="cpu", power_backend="none", verify_checksums=False))
     yield engine
@@ -34,7 +34,7 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
     falls into loops that would hide position errors)."""
     from transformers import DynamicCache
 
-    from orin.decode import PrefillInputs, StaticDecoder
+    from orin.runtime.decode import PrefillInputs, StaticDecoder
 
     engine = synthetic_engine
     engine.loader.ensure("thinker_text")
@@ -60,7 +60,7 @@ def test_static_decoder_matches_the_hf_step(synthetic_engine):
 
 
 def test_fast_talker_and_code_predictor_give_the_hf_frames(synthetic_engine):
-    """The pipeline (orin.decode for thinker, talker and code predictor) against HF generate() on the same
+    """The pipeline (orin.runtime.decode for thinker, talker and code predictor) against HF generate() on the same
     weights, greedy: same text tokens, same codec frames (through HF's code2wav), same audio."""
     engine = synthetic_engine
     req = _speech_request(tokens=10, frames=5, ignore_eos=False)
@@ -85,12 +85,12 @@ def test_fast_talker_and_code_predictor_give_the_hf_frames(synthetic_engine):
 
 
 def test_fast_prefill_matches_the_hf_prefill(synthetic_engine):
-    """orin.decode's prefill (audio and image merged, deepstack on the first layers, M-RoPE) against the HF
+    """orin.runtime.decode's prefill (audio and image merged, deepstack on the first layers, M-RoPE) against the HF
     language model with a dynamic cache: last logits, the hidden states the talker reads, every layer's keys
     and values, and the decode steps that follow; unpadded and padded to a bucket as the CUDA graphs are."""
     from transformers import DynamicCache
 
-    from orin.decode import PrefillInputs
+    from orin.runtime.decode import PrefillInputs
 
     engine = synthetic_engine
     prompt = engine.prepare(_speech_request())
@@ -153,7 +153,7 @@ def test_sampled_talker_is_seeded_and_differs_from_greedy(synthetic_engine):
 
 def test_talker_gets_text_embeddings_after_the_thinker_is_swapped_out(synthetic_engine):
     from orin.errors import ModelError
-    from orin.thinker import TextEmbeddings
+    from orin.runtime.thinker import TextEmbeddings
 
     engine = synthetic_engine
     engine.loader.ensure("thinker_text")
@@ -176,7 +176,7 @@ def test_few_query_rows_attend_as_sdpa_over_the_masked_cache(rows, gemms):
     with the same mask; positions past the mask never count."""
     import torch.nn.functional as F
 
-    import orin.attention as dl
+    import orin.runtime.attention as dl
 
     sdpa_max_keys = 0 if gemms else 4096  # the profile's attention.few_rows_sdpa_max_keys
     gen = torch.Generator().manual_seed(3)
@@ -203,8 +203,8 @@ def test_whole_prompt_attention_equals_the_chunks(engine):
     cache's stale positions (NaN here) never read into a real row."""
     from torch.nn.attention import SDPBackend
 
-    import orin.attention as dl
-    from orin.decoder_layer import layer_weights
+    import orin.runtime.attention as dl
+    from orin.runtime.layer import layer_weights
 
     engine.loader.ensure("thinker_text")
     layer = engine.model.thinker.model.language_model.layers[0]
@@ -238,7 +238,7 @@ def test_rms_norm_is_hfs_bit_for_bit_whole_and_by_rows(dtype):
     exactly; a long prompt's rows normed a chunk at a time (its last chunk short) give the same rows."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
 
-    import orin.attention as dl
+    import orin.runtime.attention as dl
 
     gen = torch.Generator().manual_seed(3)
     norm = Qwen3OmniMoeThinkerTextRMSNorm(256, eps=1e-6).to(dtype)

@@ -1,4 +1,4 @@
-"""A server's CUDA-graph captures wait for idle time (orin.capture_policy's wanted prefill buckets, the growing KV
+"""A server's CUDA-graph captures wait for idle time (orin.runtime.capture_policy's wanted prefill buckets, the growing KV
 cache, the worker's spare turn): the bucket and cache sizes, the route a prefill takes, the order of what is
 wanted and captured, and that a deferred request computes exactly what its graph will. The policy alone with
 plain ints; the decoder on CPU, where a prefill "graph" runs its function eagerly through the same code as on CUDA
@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
-from orin.capture_policy import CapturePolicy
-from orin.decode import PrefillInputs
 from orin.device.profile import CPU
-from orin.prefill_route import GraphKey, PrefillRoute, PromptShape, choose_route, prefill_bucket
+from orin.runtime.capture_policy import CapturePolicy
+from orin.runtime.decode import PrefillInputs
+from orin.runtime.prefill_route import GraphKey, PrefillRoute, PromptShape, choose_route, prefill_bucket
 
 LONG = CPU.prefill.long_prefill_tokens
 GRANULE = CPU.memory.cache_granule
@@ -48,7 +48,7 @@ def test_the_capture_policy_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, orin.capture_policy, orin.prefill_route; sys.exit('torch' in sys.modules)"
+    code = "import sys, orin.runtime.capture_policy, orin.runtime.prefill_route; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -85,7 +85,7 @@ def test_the_route_is_one_decision_of_the_prompt_the_cache_and_the_residency():
 
 
 class _Turns:
-    """What orin.decode does with its policy, in ints: a cache of `cache` positions, the prompt held (its rows),
+    """What orin.runtime.decode does with its policy, in ints: a cache of `cache` positions, the prompt held (its rows),
     each idle time `captures` long (a cache growth counts as one, as it re-captures the decode step)."""
 
     def __init__(self, policy: CapturePolicy):
@@ -255,7 +255,7 @@ def test_the_server_captures_between_requests(graph_engine, quantized_dir):
     the prefill buckets the request ran eagerly (deferred) are captured before the next request comes."""
     import openai
 
-    from orin.engine import EngineConfig
+    from orin.runtime.engine import EngineConfig
     from orin.serve.app import ServeConfig, Server
 
     thinker = graph_engine.decoders.thinker
@@ -282,7 +282,7 @@ def test_a_conversations_earlier_audio_is_not_encoded_again(engine):
     """Each turn's prompt holds every earlier turn's audio: only the new audio goes through the encoder (found by
     its samples, whatever its features' last bits), and the tokens are those of encoding all of them at once."""
     from orin.contract import GenerationRequest
-    from orin.media import synth_speechlike
+    from orin.inputs.media import synth_speechlike
 
     def prompt_of(seconds):
         parts = [{"type": "audio", "audio": synth_speechlike(s, seed=i)} for i, s in enumerate(seconds)]

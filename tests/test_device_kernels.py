@@ -1,4 +1,4 @@
-"""The CUDA paths of orin.decode and orin.int4 against the HF modules and routes they replace, on a loaded model
+"""The CUDA paths of orin.runtime.decode and orin.int4.linear against the HF modules and routes they replace, on a loaded model
 in BF16: the decode MoE (the layer's MoE backend: concatenated experts or Triton GEMV) against Int4Experts; the
 thinker's static-cache prefill (eager and graph-replayed) and its graph-replayed steps against the HF language
 model with a dynamic cache, with and without torch.compile; the code predictor's frame against HF generate(); the
@@ -38,7 +38,7 @@ def _rel(a, b) -> float:
 def _cuda_engine(request, budget: int | None = None):
     """An engine on the GPU over the device model (--device-model-dir, else the synthetic checkpoint); with a
     budget nothing exceeds, time-sliced (weights in arenas), nothing evicted but what a test evicts."""
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     model_dir = request.config.getoption("--device-model-dir") or request.getfixturevalue("synthetic_dir")
     return Engine(EngineConfig(model_dir=model_dir, device="cuda", power_backend="none", verify_checksums=False,
@@ -83,7 +83,7 @@ def test_fused_decode_moe_matches_the_experts_module(cuda_engine):
     the experts module's prompt route."""
     import torch
 
-    from orin.decoder_layer import layer_weights
+    from orin.runtime.layer import layer_weights
 
     layer = _moe_layer(cuda_engine)
     mlp = layer.mlp
@@ -109,7 +109,7 @@ def test_thinker_decoder_matches_the_hf_prefill_and_steps(cuda_engine, compile, 
     import torch
     from transformers import DynamicCache
 
-    from orin.decode import PrefillInputs, StaticDecoder
+    from orin.runtime.decode import PrefillInputs, StaticDecoder
 
     engine = cuda_engine
     own = engine.model.thinker
@@ -145,7 +145,7 @@ def test_code_predictor_matches_hf_generate(cuda_engine, compile):
     sum of the frame's codec embeddings the talker reads next."""
     import torch
 
-    from orin.decode import CodePredictor
+    from orin.runtime.decode import CodePredictor
 
     model = cuda_engine.model
     cp = hf_twin(model, cuda_engine.cfg.model_dir).talker.code_predictor
@@ -176,7 +176,7 @@ def test_prefill_moe_routes_match_tinygemm_per_expert(cuda_engine, route):
     the layer's backend picks a grouped one for that many rows."""
     import torch
 
-    from orin.moe_backends import TorchBackend
+    from orin.int4.moe import TorchBackend
 
     layer = _moe_layer(cuda_engine)
     experts = layer.mlp.experts
@@ -232,9 +232,9 @@ def test_prefill_chunk_attention_on_flash_matches_the_lower_right_bias():
     heads in place."""
     import torch
 
-    from orin.attention import _attend_after
-    from orin.decoder_layer import LayerSpec
     from orin.device.capabilities import flash_lower_right_works
+    from orin.runtime.attention import _attend_after
+    from orin.runtime.layer import LayerSpec
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -258,8 +258,8 @@ def test_whole_prompt_attention_on_cudnn_matches_the_chunks_on_flash(cuda_engine
     the rows padded to the bucket and the cache's stale positions (NaN here) never read into a real row."""
     import torch
 
-    import orin.attention as dl
-    from orin.decoder_layer import layer_weights
+    import orin.runtime.attention as dl
+    from orin.runtime.layer import layer_weights
 
     if not cuda_engine.profile.capabilities.cudnn_whole_prompt:
         pytest.skip("cuDNN's whole-prompt attention runs on sm90+ only")
@@ -292,7 +292,7 @@ def test_dense_projection_matches_tinygemm(cuda_engine):
     same buffers under a profile whose dense route never starts)."""
     import torch
 
-    from orin.int4 import Int4Linear
+    from orin.int4.linear import Int4Linear
 
     q = _moe_layer(cuda_engine).self_attn.q_proj
     assert isinstance(q, Int4Linear)
@@ -307,14 +307,14 @@ def test_dense_projection_matches_tinygemm(cuda_engine):
 
 
 def test_encoders_replayed_from_graphs_equal_eager(cuda_engine):
-    """The audio and vision encoders replayed from their CUDA graphs (orin.encoder_graphs) give the eager
+    """The audio and vision encoders replayed from their CUDA graphs (orin.runtime.encoder_graphs) give the eager
     outputs, on the first replay and the next; a shape gets one capture; a swap of the encoder's weights
     (evict, load) gives the same output (a re-capture where the weights landed elsewhere)."""
     import torch
 
     from orin.contract import GenerationRequest
-    from orin.media import synth_image, synth_speechlike
-    from orin.thinker import AudioTokenCache
+    from orin.inputs.media import synth_image, synth_speechlike
+    from orin.runtime.thinker import AudioTokenCache
 
     engine = cuda_engine
     parts = [{"type": "image", "image": synth_image(224)}, {"type": "audio", "audio": synth_speechlike(2.0)},
@@ -387,7 +387,7 @@ def test_weights_swapped_out_and_in_land_where_they_were(cuda_engine):
 
 
 def test_time_sliced_weights_are_unmapped_when_evicted_and_mapped_back_at_their_addresses(request):
-    """Under a budget the loader maps each unit's weights at addresses of its own (orin.weight_arena): evicting
+    """Under a budget the loader maps each unit's weights at addresses of its own (orin.memory.arena): evicting
     the code predictor gives its memory back to the driver (the device's free memory grows by its size, which
     the common pool then takes), and loading it again maps it where it was, so its frame graph is replayed, not
     captured again, and gives the same codes."""
@@ -483,7 +483,7 @@ def test_time_sliced_replays_graphs_over_the_weights_that_stay_and_answers_as_al
     import torch
 
     from orin.contract import AudioChunk, Done, GenerationRequest
-    from orin.media import synth_image, synth_speechlike
+    from orin.inputs.media import synth_image, synth_speechlike
 
     req = GenerationRequest(messages=({"role": "user", "content": [
         {"type": "image", "image": synth_image(96, seed=3)}, {"type": "audio", "audio": synth_speechlike(1.5, seed=4)},
@@ -538,12 +538,12 @@ def test_no_two_units_share_a_device_block(cuda_engine):
 
 
 def test_packed_copies_give_the_converted_buffers_on_cuda(cuda_engine, tmp_path):
-    """The CUDA int4pack layout through orin.packed_cache: the first load writes each INT4 unit's copy, the next
+    """The CUDA int4pack layout through orin.memory.packed_cache: the first load writes each INT4 unit's copy, the next
     reads it, and every buffer is bit-identical to what the conversion gave; a block read holds one unit only."""
     import torch
 
     from orin import components as C
-    from orin.packed_cache import PackedCache
+    from orin.memory.packed_cache import PackedCache
 
     engine = cuda_engine
     loader = engine.loader
@@ -590,8 +590,8 @@ def test_deferred_captures_give_the_eager_results(cuda_engine):
     import torch
 
     from orin.contract import AudioChunk, GenerationRequest
-    from orin.media import synth_speechlike
-    from orin.thinker import AudioTokenCache
+    from orin.inputs.media import synth_speechlike
+    from orin.runtime.thinker import AudioTokenCache
 
     engine = cuda_engine
     parts = [{"type": "audio", "audio": synth_speechlike(2.0)}, {"type": "text", "text": "Answer."}]
@@ -632,7 +632,7 @@ def test_decode_attention_over_a_long_cache_matches_sdpa():
     import torch
     import torch.nn.functional as F
 
-    import orin.attention as dl
+    import orin.runtime.attention as dl
     from orin.device.profile import HOPPER
 
     if not torch.cuda.is_available():
@@ -660,7 +660,7 @@ def test_rms_norm_on_cuda_is_hfs_to_a_rounding():
     import torch
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRMSNorm
 
-    import orin.attention as dl
+    import orin.runtime.attention as dl
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -688,7 +688,7 @@ def test_moe_activation_kernel_is_the_torch_ops_to_a_rounding():
     from torch import nn
 
     from orin.device.profile import HOPPER
-    from orin.moe_backends import TritonBackend
+    from orin.int4.moe import TritonBackend
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -714,7 +714,7 @@ def test_query_key_norm_and_rotary_kernel_is_the_torch_ops_to_a_rounding():
     the written slice changes; the kernel ran (it takes these shapes)."""
     import torch
 
-    import orin.attention as dl
+    import orin.runtime.attention as dl
     from orin.kernels import norm_rope
 
     if not torch.cuda.is_available():

@@ -72,7 +72,7 @@ def statuses(result) -> dict[str, str]:
 
 def corrupt_copy(quantized_dir: str, dest: Path) -> str:
     """A copy of the checkpoint with one byte of the thinker's shard changed (same size); its path."""
-    from orin.manifest import read_manifest
+    from orin.checkpoint.manifest import read_manifest
 
     shutil.copytree(quantized_dir, dest)
     shard = read_manifest(dest).segments["thinker"].files[0].path

@@ -12,9 +12,9 @@ from module_oracle import hf_twin
 
 from orin.cli import cli
 from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
-from orin.engine import Engine, EngineConfig
 from orin.errors import BudgetError, ChecksumError, InputError
-from orin.media import synth_image, synth_speechlike
+from orin.inputs.media import synth_image, synth_speechlike
+from orin.runtime.engine import Engine, EngineConfig
 
 SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 frames per second
 
@@ -76,7 +76,7 @@ def test_image_audio_text_with_speech(engine):
     assert timeline["first_token"] == pytest.approx(report.ttft_s, abs=1e-3)
     assert timeline["first_audio"] == pytest.approx(report.first_audio_s, abs=1e-3)
     # the named routes it took, each chosen once: the profile and MoE backend at start, the prefills' by their route
-    from orin.prefill_route import PrefillRoute
+    from orin.runtime.prefill_route import PrefillRoute
 
     routes = report.routes
     assert routes["profile"] == engine.profile.name == "cpu" and routes["moe"] == "cpu"
@@ -87,7 +87,7 @@ def test_image_audio_text_with_speech(engine):
 def test_first_audio_waits_for_no_second_thinker_token(engine, monkeypatch):
     """Frame 0 is the prefill's first code and the code predictor's residuals, which read no text: its audio goes
     out before the thinker decodes its second token (it waited for that token, a talker step and a sync)."""
-    from orin.decode import StaticDecoder
+    from orin.runtime.decode import StaticDecoder
 
     steps = []
     real = StaticDecoder.step
@@ -230,7 +230,7 @@ def test_cancel_stops_the_request(engine):
 
 
 def test_cli_generate_json_and_wav(quantized_dir, tmp_path):
-    from orin.media import write_wav
+    from orin.inputs.media import write_wav
 
     img = tmp_path / "cam.png"
     synth_image(64, seed=3).save(img)
@@ -276,27 +276,34 @@ def test_cli_generate_bad_audio_and_budget(quantized_dir, tmp_path):
     assert small.exit_code == 1 and "budget" in small.output
 
 
-def test_heap_frozen_once_after_captures_and_unfrozen_on_close(quantized_dir):
+def test_heap_frozen_after_each_growth_of_captures_and_released_on_close(quantized_dir):
+    """A long-lived engine freezes the heap whenever its captures grew (a warm-up, a new bucket, an idle
+    capture), not only once: what later compiles leave stays out of the full collections too; close() makes it
+    collectable again."""
     import gc
-    from types import SimpleNamespace
 
-    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    from orin.runtime.heap import HeapSettler
+
+    heap = HeapSettler()
     try:
-        eng._settle_heap()  # nothing captured yet (CPU: no CUDA graphs): nothing frozen
-        assert not eng._heap_frozen and gc.get_freeze_count() == 0
-        eng.decoders._made["thinker"] = SimpleNamespace(runner=SimpleNamespace(captures=1), prefill_captures=0)
-        eng._settle_heap()
-        assert eng._heap_frozen and gc.get_freeze_count() > 0
+        assert not heap.settle(0) and not heap.frozen and gc.get_freeze_count() == 0  # nothing captured yet
+        assert heap.settle(2) and heap.frozen and gc.get_freeze_count() > 0
+        assert not heap.settle(2)  # no new capture: no collection
+        assert heap.settle(3) and heap.frozen_at == 3
     finally:
-        eng.close()
-    assert not eng._heap_frozen and gc.get_freeze_count() == 0
+        heap.release()
+    assert not heap.frozen and gc.get_freeze_count() == 0
+    eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none"))
+    eng.heap.settle(1)
+    eng.close()
+    assert not eng.heap.frozen and gc.get_freeze_count() == 0
 
 
 def test_prefetch_counts_the_prefetches_it_has_queued(quantized_dir):
     """Two next components that each fit beside the stage but not together: only the first is prefetched (a
     queued prefetch lands later, so the budget check must count it itself: on the H200 the 18 GiB run went over
     its budget by prefetching code_predictor and code2wav together)."""
-    from orin.residency import StageCall
+    from orin.memory.residency import StageCall
 
     eng = Engine(EngineConfig(model_dir=quantized_dir, device="cpu", power_backend="none", budget=1 << 40))
     try:
@@ -320,9 +327,9 @@ def test_engine_runs_with_transformers_unimportable(quantized_dir):
     probe = (
         "import sys\n"
         "sys.modules['transformers'] = None  # any import of it raises ImportError\n"
-        "from orin.engine import Engine, EngineConfig\n"
+        "from orin.runtime.engine import Engine, EngineConfig\n"
         "from orin.contract import GenerationRequest\n"
-        "from orin.media import synth_image, synth_speechlike\n"
+        "from orin.inputs.media import synth_image, synth_speechlike\n"
         f"e = Engine(EngineConfig(model_dir={str(quantized_dir)!r}, device='cpu', power_backend='none'))\n"
         "parts = [{'type': 'image', 'image': synth_image(64)}, {'type': 'audio', 'audio': synth_speechlike(0.5)},\n"
         "         {'type': 'text', 'text': 'hi'}]\n"

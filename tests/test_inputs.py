@@ -16,7 +16,7 @@ from PIL import Image
 
 from orin.errors import InputError, ModelError
 from orin.inputs import Processor
-from orin.inputs.prompt import split_media
+from orin.inputs.placeholders import split_media
 
 QWEN_LIKE_TEMPLATE = """\
 {%- set ns = namespace(system=none, turns=0) -%}

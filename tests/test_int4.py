@@ -1,5 +1,5 @@
-"""The GPTQ v1 checkpoint format (orin.gptq_format), torch's int4pack layout (orin.int4pack), the INT4 Linear
-(orin.int4) and the conversion of HF blocks to INT4 modules; the experts and their MoE backends are
+"""The GPTQ v1 checkpoint format (orin.checkpoint.gptq_format), torch's int4pack layout (orin.int4.pack), the INT4 Linear
+(orin.int4.linear) and the conversion of HF blocks to INT4 modules; the experts and their MoE backends are
 tests/test_int4_experts.py's."""
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from int4pack_reference import cuda_int4pack_reference
 from test_int4_experts import CASES, INTER, TOPK, E, G, H, _dequantized_experts, _gen, _hf_text_config, _rel, _with
 from torch import nn
 
-from orin import int4pack
-from orin.device.profile import CPU
-from orin.errors import ModelError
-from orin.gptq_format import (
+from orin.checkpoint.gptq_format import (
     decode_qzeros_v1,
     dequantize_gptq_v1,
     gptq_v1_bytes,
@@ -26,7 +23,11 @@ from orin.gptq_format import (
     random_gptq_v1,
     unpack_gptq_v1,
 )
-from orin.int4 import (
+from orin.checkpoint.targets import runtime_int4_bytes
+from orin.device.profile import CPU
+from orin.errors import ModelError
+from orin.int4 import pack as int4pack
+from orin.int4.linear import (
     Int4Experts,
     Int4Linear,
     convert_for_runtime,
@@ -35,7 +36,6 @@ from orin.int4 import (
     quantized_module_paths,
     unload_int4_module,
 )
-from orin.layout import runtime_int4_bytes
 
 
 def _random_codes(N: int, K: int, g: int, gen: torch.Generator, sym: bool = False):
@@ -150,7 +150,7 @@ def test_quantize_rtn_error_is_within_half_a_step(sym):
 def _padded_layout(packed: dict, K: int) -> dict:
     """orin-omni 0.1's layout, still read: the input width zero-padded to a multiple of the group size
     (qweight rows K_pad/8 with the padded codes at the last group's zero point, g_idx of length K_pad)."""
-    from orin.gptq_format import _pack_rows
+    from orin.checkpoint.gptq_format import _pack_rows
 
     q, z, _, g = unpack_gptq_v1(packed)
     K_pad = pad_in_features(K, g)
@@ -261,7 +261,7 @@ def test_dequantize_packed_is_the_kernels_weight(K, N, g):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K,N,g,bias", [(200, 48, 128, True), (512, 72, 512, False)])
 def test_runtime_bytes_match_buffers(K, N, g, bias, dtype):
-    # orin.layout's formula (the planner's) against a loaded layer: K padded to whole groups, N (72) to 16, and
+    # orin.checkpoint.targets's formula (the planner's) against a loaded layer: K padded to whole groups, N (72) to 16, and
     # g above the kernel's 256 repeating the scales
     layer = Int4Linear.from_gptq(random_gptq_v1(K, N, g, generator=_gen(12), bias=bias), K, "cpu", dtype)
     assert runtime_int4_bytes(K, N, g, bias, scale_bytes=dtype.itemsize) == sum(b.nbytes for b in layer.buffers())

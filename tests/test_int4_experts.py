@@ -1,4 +1,4 @@
-"""The INT4 experts (orin.int4_experts) and the MoE backends they run on (orin.moe_backends): each backend's
+"""The INT4 experts (orin.int4.experts) and the MoE backends they run on (orin.int4.moe): each backend's
 decode, prompt and long-prompt routes against a float64 loop and HF's experts module, the choice of backend from
 the device profile, and the Triton kernels the backends run (on CUDA)."""
 
@@ -12,14 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from orin import int4pack, moe_backends
+from orin.checkpoint.gptq_format import dequantize_gptq_v1, random_gptq_v1
+from orin.checkpoint.targets import Target, target_runtime_bytes
 from orin.device.capabilities import grouped_mm_works, triton_installed
 from orin.device.profile import AMPERE, CPU, HOPPER, ORIN
 from orin.errors import ModelError
-from orin.gptq_format import dequantize_gptq_v1, random_gptq_v1
-from orin.int4 import Int4Experts, Int4Linear, int4_tensor_keys
-from orin.layout import Target, target_runtime_bytes
-from orin.moe_backends import CpuBackend, TorchBackend, TritonBackend, choose_backend
+from orin.int4 import moe as moe_backends
+from orin.int4 import pack as int4pack
+from orin.int4.linear import Int4Experts, Int4Linear, int4_tensor_keys
+from orin.int4.moe import CpuBackend, TorchBackend, TritonBackend, choose_backend
 
 # (device, dtype, relative tolerance); CUDA's kernel is bf16 only.
 CASES = [("cpu", torch.float32, 1e-5), ("cpu", torch.bfloat16, 1e-2), ("cpu", torch.float16, 1e-2)]
@@ -304,9 +305,9 @@ def test_layer_spec_carries_the_profile_and_the_experts_backend():
     """layer_weights puts what the layer functions need of the profile in the spec (the attention tuning, the
     capabilities on this device, the INT4 projections' dequantization row count) and the experts' backend, whose
     name is what the engine's stats show; on CPU the experts module computes the MoE."""
-    from orin.decoder_layer import layer_weights
-    from orin.model_config import TextConfig
-    from orin.text_model import DecoderLayer, SparseMoe
+    from orin.model.config import TextConfig
+    from orin.model.text import DecoderLayer, SparseMoe
+    from orin.runtime.layer import layer_weights
 
     config = TextConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E,
                         moe_intermediate_size=INTER, num_experts_per_tok=TOPK)
@@ -327,7 +328,7 @@ def test_layer_spec_carries_the_profile_and_the_experts_backend():
 
 def test_grouped_matmul_without_torch_grouped_mm_gives_the_same_rows():
     """torch 2.6/2.7 have no torch._grouped_mm and 2.8 only for CUDA sm90: the per-expert matmuls stand in."""
-    from orin.moe_backends import grouped_matmul
+    from orin.int4.moe import grouped_matmul
 
     gen = torch.Generator().manual_seed(7)
     counts = [3, 0, 5, 1]
@@ -347,9 +348,9 @@ def test_grouped_matmul_without_torch_grouped_mm_gives_the_same_rows():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the CUDA int4pack layout needs a CUDA device"))])
 def test_experts_converted_in_batches_equal_one_at_a_time(device, monkeypatch):
-    """Loading converts a batch of experts as one layer joined along its outputs (orin.int4_experts.convert_batch):
+    """Loading converts a batch of experts as one layer joined along its outputs (orin.int4.experts.convert_batch):
     the buffers are bit-for-bit those of converting each expert alone."""
-    import orin.int4_experts as ie
+    import orin.int4.experts as ie
 
     inter = 64  # gate_up 128 and down 64 outputs per expert: whole row tiles, so a batch joins
     flat = _expert_checkpoint(_gen(31), inter=inter)

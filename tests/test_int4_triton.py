@@ -1,5 +1,5 @@
 """orin.kernels' int4_gemm, router, moe_combine, silu_mul and norm_rope kernels under Triton's CPU interpreter, on weights in torch's
-CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4pack. On a GPU,
+CUDA int4pack layout (built with the transcribed converter), against the layout reader of orin.int4.pack. On a GPU,
 tests/test_int4.py runs the same kernels compiled, against tinygemm."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 SCRIPT = textwrap.dedent('''
     import torch
     from int4pack_reference import cuda_int4pack_reference
-    from orin import int4pack
-    from orin.int4 import Int4Linear
+    from orin.int4 import pack as int4pack
+    from orin.int4.linear import Int4Linear
     from orin.kernels import int4_gemm, moe_combine, norm_rope, router, silu_mul
-    from orin.gptq_format import random_gptq_v1
+    from orin.checkpoint.gptq_format import random_gptq_v1
 
     def rel(a, b):
         a, b = a.double(), b.double()
@@ -112,9 +112,9 @@ SCRIPT = textwrap.dedent('''
         assert not got[:, inter:].any()
 
     # the long attention's per-head norm and rotary embedding, written into a strided [heads, T, hd] view (a
-    # queries' buffer or KV cache slice), against orin.attention's torch ops; heads not a power of two. float32
+    # queries' buffer or KV cache slice), against orin.runtime.attention's torch ops; heads not a power of two. float32
     # only: the interpreter rounds to bfloat16 wrongly (tests/test_device_kernels.py checks bfloat16 on a GPU)
-    from orin.attention import _rms, _rope
+    from orin.runtime.attention import _rms, _rope
     for dtype, tol in [(torch.float32, 1e-5)]:
         T, heads, hd = 7, 3, 16
         y = torch.randn(T, heads * hd + 4, generator=gen).to(dtype)[:, :heads * hd].view(T, heads, hd)

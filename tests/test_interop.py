@@ -81,7 +81,7 @@ def _transformers_load(model_dir: str, ids_file: str, out_file: str) -> None:
 @pytest.fixture(scope="module")
 def engine_logits(engine):
     """The thinker's logits for PROMPT from orin-omni's engine (CPU, fp32): the production prefill (chat template,
-    the thinker's prefill on orin.decode: the last position) and the engine's loaded model over every position."""
+    the thinker's prefill on orin.runtime.decode: the last position) and the engine's loaded model over every position."""
     import torch
 
     from orin.contract import GenerationRequest
@@ -125,7 +125,7 @@ def test_transformers_loads_every_tensor(hf_loaded):
 
 
 def test_transformers_quantizes_exactly_the_gptq_modules(hf_loaded, quantized_dir):
-    from orin.hub_names import to_runtime
+    from orin.checkpoint.hub_names import to_runtime
 
     expected = {to_runtime(name) for name in _gptq_modules_on_disk(quantized_dir)}
     assert any(".visual." in n for n in expected) and any(n.startswith("talker.") for n in expected)
@@ -377,7 +377,7 @@ def selection_mismatches(model_dir: str, omni: bool, qconfig: dict | None = None
     """Every vLLM layer whose quantization (as vLLM decides it) differs from what the checkpoint holds for it:
     GPTQ tensors for all its source Linears (quantized), for none (BF16) or for some (refused either way); and
     every GPTQ Linear on disk that no layer is built from (the talker and code2wav are dropped for plain vLLM)."""
-    from orin.checkpoint_layout import read_header
+    from orin.checkpoint.files import read_header
 
     d = Path(model_dir)
     config = json.loads((d / "config.json").read_text())
@@ -475,7 +475,7 @@ def test_a_bf16_vision_checkpoint_matches_vllm_omni_completely(tiny_model_dir, t
 def test_vllm_checks_fail_on_a_broken_config(quantized_dir, break_it):
     """The checks above can fail: a list without the hub names selects no thinker attention or vision Linear
     under vLLM's substring rule; an asymmetric config is refused outright."""
-    from orin.hub_names import to_runtime
+    from orin.checkpoint.hub_names import to_runtime
 
     qconfig = _qconfig(quantized_dir)
     if break_it == "hub names dropped":
@@ -546,7 +546,7 @@ def test_vllm_maps_every_thinker_tensor_onto_a_parameter(quantized_dir):
     """Every on-disk `thinker.*` tensor, through the thinker's WeightsMapper, the sub-models' stacking renames and
     the MoE expert mapping, lands on a parameter of the module vLLM 0.33 builds (GPTQ parameters where it builds
     GPTQ, `weight` where it does not), `.g_idx` (dropped while loading) aside; and every such parameter is fed."""
-    from orin.checkpoint_layout import read_header
+    from orin.checkpoint.files import read_header
 
     d = Path(quantized_dir)
     config = json.loads((d / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""orin.manifest: the quantized checkpoint's manifest, as the loader reads it and quantize writes it."""
+"""orin.checkpoint.manifest: the quantized checkpoint's manifest, as the loader reads it and quantize writes it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from orin.errors import ChecksumError, ModelError
-from orin.layout import QuantSpec
-from orin.manifest import (
+from orin.checkpoint.manifest import (
     Manifest,
     SegmentEntry,
     file_entry,
@@ -18,6 +16,8 @@ from orin.manifest import (
     write_manifest,
     write_segment_entry,
 )
+from orin.checkpoint.targets import QuantSpec
+from orin.errors import ChecksumError, ModelError
 
 SPLIT = {"thinker": ("audio_encoder", "thinker_text"),
          "talker_vision": ("vision_encoder", "talker", "code_predictor", "code2wav")}
@@ -116,8 +116,8 @@ def test_damaged_manifests_are_model_errors(tmp_path):
 def test_served_model_name_is_recorded_validated_and_defaulted(tmp_path):
     from dataclasses import replace
 
+    from orin.checkpoint.manifest import check_served_name
     from orin.errors import UsageError
-    from orin.manifest import check_served_name
 
     _checkpoint(tmp_path)
     manifest = read_manifest(tmp_path)

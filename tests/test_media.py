@@ -12,9 +12,9 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from orin import media
 from orin.errors import InputError, UsageError
-from orin.media import (
+from orin.inputs import media
+from orin.inputs.media import (
     encode_wav,
     load_audio,
     load_image,

@@ -1,4 +1,4 @@
-"""orin-omni's own model tree and config reader (orin.model, orin.model_config, orin.text_model) against
+"""orin-omni's own model tree and config reader (orin.model.omni, orin.model.config, orin.model.text) against
 transformers' (the oracle): the same parameters under the same names and shapes, the same config values, the
 same rotary tables, router and BF16 experts; and bad configs refused by name."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from orin.errors import ModelError
-from orin.model import OmniModel
-from orin.model_config import omni_config
+from orin.model.config import omni_config
+from orin.model.omni import OmniModel
 
 
 def _hf(data):

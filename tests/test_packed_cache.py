@@ -1,4 +1,4 @@
-"""The packed copy (orin.packed_cache): INT4 units kept in the device's kernel layout after their first load. On
+"""The packed copy (orin.memory.packed_cache): INT4 units kept in the device's kernel layout after their first load. On
 the tiny INT4 model on CPU (the CPU's int4pack layout: the same code path as CUDA's, another layout): a load from
 the packed copies gives the very buffers the conversion gives and the same generation, without converting; a
 copy made for another torch, device, code or checkpoint file is not used but rebuilt; a damaged one (flipped
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from orin import components as C
-from orin import int4pack
-from orin import packed_cache as P
 from orin.contract import Done, GenerationRequest
-from orin.engine import Engine, EngineConfig
-from orin.media import synth_image, synth_speechlike
+from orin.inputs.media import synth_image, synth_speechlike
+from orin.int4 import pack as int4pack
+from orin.memory import packed_cache as P
+from orin.runtime.engine import Engine, EngineConfig
 
 # every component: image and audio in, speech out
 REQ = GenerationRequest(messages=({"role": "user", "content": [
@@ -77,8 +77,8 @@ def _no_conversion(monkeypatch):
         raise AssertionError("converted although a valid packed copy exists")
 
     monkeypatch.setattr(int4pack, "to_kernel", refuse)
-    monkeypatch.setattr("orin.int4.to_kernel", refuse)
-    monkeypatch.setattr("orin.int4_experts.to_kernel", refuse)
+    monkeypatch.setattr("orin.int4.linear.to_kernel", refuse)
+    monkeypatch.setattr("orin.int4.experts.to_kernel", refuse)
 
 
 def test_first_load_writes_copies_and_later_loads_read_them(quantized_dir, tmp_path, reference, monkeypatch):
@@ -135,7 +135,7 @@ def test_time_sliced_loads_read_the_copies(quantized_dir, tmp_path, reference, m
 def test_packed_units_are_read_ahead_across_their_files(quantized_dir, tmp_path, monkeypatch):
     """Loading a component from its packed copies, one file per unit: every read but the very first was started
     in the background (each unit's last read starts the next unit's first), and none is read twice."""
-    from orin.block_reader import BlockReader
+    from orin.memory.block_reader import BlockReader
 
     _served(quantized_dir, tmp_path / "cache")  # writes the copies
     reads = []  # (file, whether a read-ahead served it), in order
@@ -164,7 +164,7 @@ def test_a_refused_copy_drops_its_read_ahead_at_once(quantized_dir, tmp_path, re
     that follow: their reads take the staging buffer it was filling. The unit's buffers are the conversion's."""
     import dataclasses
 
-    from orin.unit_reader import UnitReader
+    from orin.memory.unit_reader import UnitReader
 
     buffers, _ = reference
     _served(quantized_dir, tmp_path / "cache")  # writes the copies
@@ -248,7 +248,7 @@ def test_a_damaged_copy_is_deleted_and_rebuilt_never_loaded(quantized_dir, tmp_p
     victim.write_bytes(bytes(data))
     eng = _engine(quantized_dir, cache)
     try:
-        with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+        with caplog.at_level(logging.WARNING, logger="orin.memory.packed_cache"):
             report, outcome = _run(eng)
         assert "damaged" in caplog.text and "thinker_text.0" in caplog.text
         assert sum(s.written for s in report.swaps) == 1
@@ -257,7 +257,7 @@ def test_a_damaged_copy_is_deleted_and_rebuilt_never_loaded(quantized_dir, tmp_p
         eng.close()
     # the rebuilt copy is sound: a fresh process reads it without warnings
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+    with caplog.at_level(logging.WARNING, logger="orin.memory.packed_cache"):
         _served(quantized_dir, cache)
     assert "damaged" not in caplog.text
 
@@ -267,7 +267,7 @@ def test_an_unwritable_directory_costs_only_the_speed_up(quantized_dir, tmp_path
     blocker.write_text("not a directory")
     eng = _engine(quantized_dir, blocker / "cache")
     try:
-        with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+        with caplog.at_level(logging.WARNING, logger="orin.memory.packed_cache"):
             outcome = _run(eng)[1]
         assert caplog.text.count("cannot write packed copies") == 1
         assert outcome == reference[1]
@@ -283,7 +283,7 @@ def test_a_disk_short_of_the_margin_gets_no_copies(quantized_dir, tmp_path, refe
     monkeypatch.setattr(P, "DISK_MARGIN", shutil.disk_usage(cache).total)
     eng = _engine(quantized_dir, cache)
     try:
-        with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+        with caplog.at_level(logging.WARNING, logger="orin.memory.packed_cache"):
             outcome = _run(eng)[1]
     finally:
         eng.close()
@@ -304,7 +304,7 @@ def test_a_failed_write_leaves_nothing_behind(quantized_dir, tmp_path, monkeypat
         return real(header, digest)
 
     monkeypatch.setattr(P, "_with_digest", fail_once)
-    with caplog.at_level(logging.WARNING, logger="orin.packed_cache"):
+    with caplog.at_level(logging.WARNING, logger="orin.memory.packed_cache"):
         _served(quantized_dir, cache)
     assert "No space left" in caplog.text
     names = [p.name for p in cache.iterdir()]

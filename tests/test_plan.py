@@ -7,10 +7,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from orin.checkpoint.targets import gptq_v1_bytes
 from orin.cli import cli
-from orin.layout import gptq_v1_bytes
-from orin.plan import PlanConfig, make_plan
-from orin.request_sizes import audio_tokens
+from orin.memory.plan import PlanConfig, make_plan
+from orin.memory.request_sizes import audio_tokens
 
 
 def _thinker_text_params(t: dict) -> int:
@@ -92,7 +92,7 @@ def test_verdicts_change_with_budget(real_config):
 
 def test_the_products_video_case_is_sized_as_the_long_prefill_runs_it(real_config):
     """120 s at 2 fps with its soundtrack, one image, speech: 25k prompt tokens that the thinker and the talker
-    prefill one layer at a time (orin.decode), so neither decoder's working memory grows with the square of the
+    prefill one layer at a time (orin.runtime.decode), so neither decoder's working memory grows with the square of the
     prompt (the talker's was once sized at 19.5 GiB of attention scores it never makes)."""
     result = make_plan(PlanConfig(model=real_config, audio_seconds=0, video_seconds=120, video_fps=2)).to_json()
     req = result["request"]

@@ -1,4 +1,4 @@
-"""orin.positions against transformers' Qwen3-Omni M-RoPE positions (the oracle), on the tiny model's config:
+"""orin.model.positions against transformers' Qwen3-Omni M-RoPE positions (the oracle), on the tiny model's config:
 the thinker's and the talker's position ids and rope deltas, exactly equal, for prompts the production processor
 prepares (text, images, audio, several turns) and for videos laid out as HF's processor lays them out."""
 
@@ -15,7 +15,7 @@ import torch
 
 from orin.audio_format import audio_token_count
 from orin.errors import InputError
-from orin.positions import mrope_positions, talker_spec, thinker_spec
+from orin.model.positions import mrope_positions, talker_spec, thinker_spec
 
 TALKER_ASSISTANT_IDS = 9  # _get_talker_assistant_parts: 3 role tokens, 4 pads, bos, the first text token
 
@@ -23,7 +23,7 @@ TALKER_ASSISTANT_IDS = 9  # _get_talker_assistant_parts: 3 role tokens, 4 pads, 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     """The HF model built from the tiny config on the meta device (positions need no weights), with the config
-    fix-up the engine applies (orin.modelcfg)."""
+    fix-up the engine applies (orin.model.config_file)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from quantize.hf_config import load_config
@@ -78,7 +78,7 @@ def hf_talker(hf, ids, **media):
 
 
 def talker_ids(hf, ids):
-    """The talker's input ids as orin/talker.py builds them: the user turns' tokens, then the assistant part's
+    """The talker's input ids as orin/runtime/talker.py builds them: the user turns' tokens, then the assistant part's
     tts_pad ids."""
     cfg = hf.config
     seq_len = ids.shape[1]
@@ -114,13 +114,13 @@ def check_both(hf, config_json, ids, **media):
 
 
 def speech(seconds: float, seed: int = 0):
-    from orin.media import synth_speechlike
+    from orin.inputs.media import synth_speechlike
 
     return synth_speechlike(seconds, seed=seed)
 
 
 def image(size, seed: int = 0):
-    from orin.media import synth_image
+    from orin.inputs.media import synth_image
 
     return synth_image(size, seed=seed)
 
@@ -324,12 +324,12 @@ def test_mismatched_media_is_an_input_error(hf, config_json, processor):
 def test_imports_no_transformers(tiny_model_dir):
     code = (
         "import json, sys, torch\n"
-        "from orin.positions import mrope_positions, thinker_spec\n"
+        "from orin.model.positions import mrope_positions, thinker_spec\n"
         f"spec = thinker_spec(json.load(open({str(Path(tiny_model_dir) / 'config.json')!r})))\n"
         "ids = torch.tensor([[1, spec.vision_start_token_id] + [spec.image_token_id] * 4 + [2, 3]])\n"
         "pos, delta = mrope_positions(ids, spec, image_grid_thw=torch.tensor([[1, 4, 4]]))\n"
         "assert float(delta) == -2, delta\n"
-        "assert 'transformers' not in sys.modules, 'orin.positions imported transformers'\n"
+        "assert 'transformers' not in sys.modules, 'orin.model.positions imported transformers'\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])

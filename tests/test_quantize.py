@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from orin import components as C
-from orin.checkpoint_layout import read_header
+from orin.checkpoint.files import read_header
+from orin.checkpoint.gptq_format import dequantize_gptq_v1
+from orin.checkpoint.manifest import read_manifest, verify_files
+from orin.checkpoint.targets import QuantSpec, find_targets
 from orin.errors import ChecksumError
-from orin.gptq_format import dequantize_gptq_v1
-from orin.layout import QuantSpec, find_targets
-from orin.manifest import read_manifest, verify_files
 from quantize.pipeline import QuantConfig, run_quantize
 from quantize.report import load_report
 
@@ -28,8 +28,8 @@ SPEECH_SHORT = {"reply_tokens": 3, "speech_frames": 4, "min_speech_frames": 4, "
 
 
 def _targets(model_dir, spec: QuantSpec | None = None):
-    from orin.model_config import load_omni_config
-    from orin.model_sizes import meta_model
+    from orin.memory.model_sizes import meta_model
+    from orin.model.config import load_omni_config
 
     return find_targets(meta_model(load_omni_config(model_dir)), spec or QuantSpec())
 
@@ -38,7 +38,7 @@ def _keys(path):
     """A shard's tensors under the runtime's names (stored under the hub's), with their dtypes."""
     from safetensors import safe_open
 
-    from orin.hub_names import to_runtime
+    from orin.checkpoint.hub_names import to_runtime
 
     with safe_open(str(path), framework="pt") as f:
         return {to_runtime(k): f.get_slice(k).get_dtype() for k in f.keys()}
@@ -114,7 +114,7 @@ def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
     from safetensors import safe_open
 
     from devtools.tiny import build_tiny_model
-    from orin.hub_names import to_hub
+    from orin.checkpoint.hub_names import to_hub
 
     model = build_tiny_model(0).to(torch.bfloat16)
     cases = [("thinker", "thinker.model.language_model.layers.1.self_attn.q_proj", None),
@@ -137,7 +137,7 @@ def test_stored_int4_weights_are_the_modules_weights(quantized_dir):
 
 
 def test_int4_bytes_match_the_plan(quantized_dir, tiny_model_dir):
-    from orin.plan import PlanConfig, make_plan
+    from orin.memory.plan import PlanConfig, make_plan
 
     predicted = make_plan(PlanConfig(model=tiny_model_dir, group_size=128)).to_json()["segments"]
     m = read_manifest(quantized_dir)
@@ -227,7 +227,7 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
     types = report["segments"]["talker_vision"]["layer_types"]
     assert {"code_predictor.attn.q_proj", "code_predictor.mlp.down_proj", "code2wav.attn.o_proj",
             "code2wav.mlp.gate_proj"} <= set(types)
-    from orin.plan import PlanConfig, make_plan
+    from orin.memory.plan import PlanConfig, make_plan
 
     predicted = make_plan(PlanConfig(model=tiny_model_dir, group_size=64, quantize_code_predictor=True,
                                      quantize_code2wav=True)).to_json()["segments"]
@@ -239,7 +239,7 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
 
 
 def _write_calibration(tmp_path: Path) -> Path:
-    from orin.media import synth_image, synth_speechlike, synth_tone, write_wav
+    from orin.inputs.media import synth_image, synth_speechlike, synth_tone, write_wav
 
     synth_image(160, seed=3).save(tmp_path / "shapes.png")
     synth_image((224, 160), seed=4, kind="gradient").save(tmp_path / "grad.png")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from orin.checkpoint.targets import QuantSpec, find_targets
 from orin.errors import UsageError
-from orin.layout import QuantSpec, find_targets
 from quantize import adapters as A
 from quantize.gptq import GPTQSolver, import_gptq, output_error, rtn
 
@@ -114,8 +114,8 @@ def test_expert_slices_are_views_into_the_fused_tensors():
 
 
 def test_group_size_checks(tiny_model_dir):
-    from orin.model_config import load_omni_config
-    from orin.model_sizes import meta_model
+    from orin.memory.model_sizes import meta_model
+    from orin.model.config import load_omni_config
 
     targets = find_targets(meta_model(load_omni_config(tiny_model_dir)), QuantSpec())
     A.check_group_size(targets, 128, 4)  # vision linear_fc2 (200 wide) is the designed padded exception

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from allocations import Allocations
 
+from orin.checkpoint.targets import Target
 from orin.errors import InputError
-from orin.layout import Target
 from quantize import adapters as A
 from quantize import gptq_solve
 from quantize.gptq import GPTQSolver, QuantResult

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from orin.errors import InputError
-from orin.media import synth_image, synth_tone, write_wav
+from orin.inputs.media import synth_image, synth_tone, write_wav
 from quantize.calibration import (
     MAX_AUDIO_SECONDS,
     MAX_IMAGE_SIDE,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from orin.checkpoint.manifest import read_manifest, remove_segment_entry
 from orin.cli import cli
-from orin.manifest import read_manifest, remove_segment_entry
 
 
 def _run(*args):

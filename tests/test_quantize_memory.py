@@ -19,7 +19,7 @@ import torch
 from allocations import Allocations
 
 from devtools.tiny import build_processor
-from orin.layout import QuantSpec, find_targets
+from orin.checkpoint.targets import QuantSpec, find_targets
 from quantize import speech_capture as C
 from quantize.activations import Placement, StackData
 from quantize.calibration import Conversation, builtin_conversations, to_samples

@@ -197,7 +197,7 @@ def _calib_with_unencodable_lines(tmp_path: Path) -> Path:
     samples of audio (too short for the feature extractor): both load, neither encodes."""
     from PIL import Image
 
-    from orin.media import write_wav
+    from orin.inputs.media import write_wav
 
     Image.new("RGB", (600, 2), (200, 30, 30)).save(tmp_path / "banner.png")
     write_wav(tmp_path / "click.wav", torch.full((10,), 0.1).numpy(), sr=16000)

@@ -15,9 +15,9 @@ import torch
 from click.testing import CliRunner
 from fixture_checkpoints import TINY_QUANTIZE
 
+from orin.checkpoint.manifest import read_manifest
 from orin.cli import cli
 from orin.errors import BudgetError
-from orin.manifest import read_manifest
 from quantize.pipeline import QuantConfig, run_quantize
 from quantize.report import load_report
 
@@ -44,7 +44,7 @@ def test_streamed_quantize_equals_the_in_memory_path(quantized_dir, tiny_model_d
     forward and generate(): every tensor of both shards, every layer error and every end-to-end measure agree."""
     from quantize_oracle import quantize_in_memory
 
-    from orin.checkpoint_layout import read_header
+    from orin.checkpoint.files import read_header
 
     oracle = quantize_in_memory(tiny_model_dir, QuantConfig(model=tiny_model_dir, out="", **TINY_QUANTIZE))
     report = load_report(quantized_dir)
@@ -163,7 +163,7 @@ def test_memory_plan_at_the_real_dimensions(real_config):
     16 GiB GPU, 24 GiB of host memory), keeps more thinker layers loaded with more GPU memory, moves
     activations off the GPU for long conversations (to disk when host memory is short too), and refuses limits
     below what the run needs at least, naming the option."""
-    from orin.layout import QuantSpec, find_targets
+    from orin.checkpoint.targets import QuantSpec, find_targets
     from quantize import adapters as A
     from quantize.hf_config import load_config
     from quantize.memory import DEFAULT_MAX_GPU_MEMORY, DEFAULT_MAX_HOST_MEMORY, make_plan, measure
@@ -260,7 +260,7 @@ def test_synthetic_bf16_checkpoint_has_the_hub_layout_at_the_real_widths(real_co
     """What `orin-omni synthetic-bf16` plans for the real config with 2 thinker layers is, name by name, what
     transformers' model for that config loads: hub names, one BF16 weight per expert and projection."""
     from devtools.synthetic_bf16 import bf16_config, plan_tensors
-    from orin.hub_names import expert_part, to_runtime
+    from orin.checkpoint.hub_names import expert_part, to_runtime
     from quantize.hf_config import fix_config, new_config
     from quantize.weights import build_skeleton
 

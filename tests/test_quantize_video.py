@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from orin.errors import InputError
-from orin.media import synth_image, synth_tone, write_wav
-from orin.video import synth_clip
+from orin.inputs.media import synth_image, synth_tone, write_wav
+from orin.inputs.video import synth_clip
 from quantize import calibration
 from quantize.calibration import builtin_conversations, load_calibration, to_samples
 from quantize.skips import Skips

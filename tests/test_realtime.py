@@ -24,7 +24,7 @@ from speech_kit import pcm16, silence, speak
 from websockets.exceptions import ConnectionClosed
 
 from orin.contract import GenerationRequest
-from orin.media import synth_image
+from orin.inputs.media import synth_image
 from orin.realtime.audio import Upsampler, decode, g711_table
 from orin.realtime.conversation import Conversation, Item, Part, Speech, assistant_item
 from orin.realtime.events import EventError, parse_client_event

@@ -1,4 +1,4 @@
-"""orin.residency, the policy the loader follows and `plan` prints: what gives way for a stage, and what a stream
+"""orin.memory.residency, the policy the loader follows and `plan` prints: what gives way for a stage, and what a stream
 of requests moves in its steady state, on the real model's sizes (issue 15's budgets)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from orin.cli import cli
-from orin.plan import PlanConfig, make_plan
-from orin.residency import StageCall, eviction_order, prefetch_room, simulate, to_evict
+from orin.memory.plan import PlanConfig, make_plan
+from orin.memory.residency import StageCall, eviction_order, prefetch_room, simulate, to_evict
 
 GiB = 2**30
 UNITS = ["audio_encoder", "thinker_text", "thinker_text/0", "thinker_text/1", "thinker_text/10", "talker",

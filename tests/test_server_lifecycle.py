@@ -15,7 +15,7 @@ import openai
 import pytest
 import server_kit as kit
 
-from orin.engine import EngineConfig
+from orin.runtime.engine import EngineConfig
 from orin.serve.app import ServeConfig, Server
 
 # --------------------------------------------------------------------------- systemd: notify, watchdog, SIGTERM
@@ -161,7 +161,7 @@ def test_served_name_comes_from_the_manifest_not_the_directory(engine, quantized
     # A copy under another directory name still answers to the name recorded at quantize time.
     copy = tmp_path / "whatever-dir-name"
     shutil.copytree(quantized_dir, copy)
-    from orin.manifest import read_manifest
+    from orin.checkpoint.manifest import read_manifest
 
     assert read_manifest(copy).model_name == "qwen3-omni-int4" == engine.model_name
     srv = kit.start_server(engine, str(copy))

@@ -34,9 +34,9 @@ from orin.checks.smoke_checks import (
 )
 from orin.cli import cli
 from orin.device.profile import CPU
-from orin.engine import EngineConfig
 from orin.errors import UsageError
-from orin.media import encode_wav
+from orin.inputs.media import encode_wav
+from orin.runtime.engine import EngineConfig
 
 # --------------------------------------------------------------------------- single checks
 
@@ -252,9 +252,9 @@ def test_smoke_video_fails_on_an_empty_answer_or_too_few_prompt_tokens(engine, q
 
 
 def test_smoke_video_goes_through_the_real_decoder(engine, quantized_dir, monkeypatch):
-    import orin.video
+    import orin.inputs.video
 
-    monkeypatch.setattr(orin.video, "synth_clip", lambda *a, **k: b"\x00\x00\x00\x18ftypmp42 not really a video")
+    monkeypatch.setattr(orin.inputs.video, "synth_clip", lambda *a, **k: b"\x00\x00\x00\x18ftypmp42 not really a video")
     result = run_smoke(SmokeConfig(engine=EngineConfig(model_dir=quantized_dir),
                                    max_new_tokens=2, max_speech_seconds=SPEECH_S),
                        engine=engine)

@@ -2,7 +2,7 @@
 planner accepts for a mix of requests up to all-resident, several consecutive requests each (text only, speech,
 image + audio + speech), every request gives the all-resident text, tokens, codec frames and samples, the peak
 stays under the budget, and no unit (a decoder layer, or the rest of a component) is ever left half-loaded. What
-moves is what orin.residency, the policy `plan` prints, says moves. On CPU the loader counts the engine's tensors
+moves is what orin.memory.residency, the policy `plan` prints, says moves. On CPU the loader counts the engine's tensors
 exactly (weights and KV caches), so the peak compared is that count."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from orin import components as C
 from orin.contract import AudioChunk, Done, GenerationRequest
-from orin.engine import Engine, EngineConfig
-from orin.media import synth_image, synth_speechlike
-from orin.residency import simulate_stream
+from orin.inputs.media import synth_image, synth_speechlike
+from orin.memory.residency import simulate_stream
+from orin.runtime.engine import Engine, EngineConfig
 
 KINDS = {
     "text": GenerationRequest(messages=({"role": "user", "content": "Name three colours."},), max_new_tokens=5,
@@ -224,7 +224,7 @@ def test_streaming_speech_joins_component_by_component_while_the_thinker_decodes
     import time
 
     from orin.contract import Staged
-    from orin.decode import StaticDecoder
+    from orin.runtime.decode import StaticDecoder
 
     plans, outcomes = reference
     budget = _speech_makes_room(quantized_dir, plans)

@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 
 from devtools.tiny import build_tiny_model
+from orin.checkpoint.targets import QuantSpec, find_targets
 from orin.cli import cli
-from orin.layout import QuantSpec, find_targets
-from orin.media import synth_image, synth_speechlike
+from orin.inputs.media import synth_image, synth_speechlike
 from quantize.hf_processor import build_processor
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

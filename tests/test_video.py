@@ -1,4 +1,4 @@
-"""Video decoding (orin.video, issue 16): frames sampled at the requested rate within the frame bounds, an even
+"""Video decoding (orin.inputs.video, issue 16): frames sampled at the requested rate within the frame bounds, an even
 count, resized under the pixel cap to sides of whole 32-pixel tiles; the soundtrack as 16 kHz mono; every bad
 input refused with an InputError naming it; only the sampled frames kept while decoding."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from orin.errors import InputError
-from orin.video import VideoOptions, frame_size, load_video, synth_clip
+from orin.inputs.video import VideoOptions, frame_size, load_video, synth_clip
 
 FPS = 10
 
@@ -92,7 +92,7 @@ def _audio_only() -> bytes:
 
 
 def _png() -> bytes:
-    from orin.media import synth_image
+    from orin.inputs.media import synth_image
 
     buf = io.BytesIO()
     synth_image(64).save(buf, format="PNG")

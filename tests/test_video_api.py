@@ -16,8 +16,8 @@ import openai
 import pytest
 import server_kit as kit
 
-from orin.media import encode_wav
-from orin.video import synth_clip
+from orin.inputs.media import encode_wav
+from orin.inputs.video import synth_clip
 
 SIZE = (64, 96)
 

@@ -12,10 +12,10 @@ import torch
 from module_oracle import hf_twin
 
 from orin.contract import AudioChunk, Done, GenerationRequest, TextDelta
+from orin.inputs.media import synth_image, synth_speechlike
 from orin.inputs.processor import Processor
+from orin.inputs.video import Video, VideoOptions, load_video, synth_clip
 from orin.inputs.video_patches import audio_in_video
-from orin.media import synth_image, synth_speechlike
-from orin.video import Video, VideoOptions, load_video, synth_clip
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_video_request_matches_transformers(engine, clip_video, media):
 def _engine_with(model_dir: str, base, **groups):
     """A CPU engine on the tiny checkpoint whose device profile is `base` with some tuning numbers changed:
     groups={"prefill": {"long_prefill_tokens": 37}, ...} (orin.device.profile's group names)."""
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     profile = replace(base, **{g: replace(getattr(base, g), **values) for g, values in groups.items()})
     return Engine(EngineConfig(model_dir=model_dir, device="cpu", power_backend="none", profile=profile))
@@ -235,7 +235,7 @@ def test_generate_cli_refuses_what_is_not_a_video(quantized_dir, tmp_path):
     from click.testing import CliRunner
 
     from orin.cli import cli
-    from orin.media import encode_wav
+    from orin.inputs.media import encode_wav
 
     for name, content, message in (("notes.mp4", b"plain text, not a video", "not"),
                                    ("voice.wav", encode_wav(synth_speechlike(1.0)), "no video stream"),
@@ -247,7 +247,7 @@ def test_generate_cli_refuses_what_is_not_a_video(quantized_dir, tmp_path):
 
 
 def test_plan_sizes_a_video_as_the_engine_prepares_it(engine):
-    from orin.request_sizes import Request, request_tokens
+    from orin.memory.request_sizes import Request, request_tokens
 
     clip = load_video(synth_clip(5.0, 10, (64, 64), seed=7), VideoOptions(fps=2.0))
     prompt = engine.prepare(GenerationRequest(messages=_messages(clip)))
@@ -263,7 +263,7 @@ def test_plan_sizes_a_video_as_the_engine_prepares_it(engine):
 
 
 def test_time_sliced_video_request_equals_all_resident(quantized_dir, engine, clip_video):
-    from orin.engine import Engine, EngineConfig
+    from orin.runtime.engine import Engine, EngineConfig
 
     req = GenerationRequest(messages=_messages(clip_video, audio=True), max_new_tokens=6, max_audio_frames=20)
     text_a, frames_a, rep_a = _collect(engine, req)
@@ -332,9 +332,9 @@ def test_long_prompt_on_the_whole_prompt_attention_gives_the_same_answer(engine,
     layers before every deepstack level is added (a video's first ones, the prefill's memory peak) take the
     leaner variants, the attention in chunks and MoE blocks of half the rows: all of the tiny thinker's two with a
     video, none without."""
-    import orin.decode as decode
-    from orin.int4_experts import Int4Experts
-    from orin.media import synth_speechlike
+    import orin.runtime.decode as decode
+    from orin.inputs.media import synth_speechlike
+    from orin.int4.experts import Int4Experts
 
     messages = _messages(clip_video, audio=True) if video else [
         {"role": "user", "content": [{"type": "audio", "audio": synth_speechlike(3.0, seed=5)},
@@ -394,7 +394,7 @@ def test_a_long_prompt_not_held_drops_each_deepstack_level_once_added(engine, cl
     GiB, and they set the video prefill's peak, BENCHMARKS.md run 51), and no next turn reads its rows."""
     import weakref
 
-    from orin.int4_experts import Int4Experts
+    from orin.int4.experts import Int4Experts
 
     req = GenerationRequest(messages=tuple(_messages(clip_video, audio=True)), max_new_tokens=6,
                             max_audio_frames=20)

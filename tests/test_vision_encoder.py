@@ -1,4 +1,4 @@
-"""orin.vision_encoder against transformers' Qwen3OmniMoeVisionEncoder (the oracle): same state dict both ways,
+"""orin.model.vision_encoder against transformers' Qwen3OmniMoeVisionEncoder (the oracle): same state dict both ways,
 same merged embeddings and deepstack features to 1e-5 in float32 on CPU over single images of several shapes, several
 images in one call and video grids, the per-grid plan cached by grid, and the real config's tree on meta."""
 
@@ -11,8 +11,8 @@ import torch
 from module_oracle import assert_same_tree, checkpoint_state, random_state, real_meta_trees
 from torch import nn
 
-from orin.modelcfg import read_config_dict
-from orin.vision_encoder import PLAN_CACHE_SIZE, VisionEncoder, VisionPlan
+from orin.model.config_file import read_config_dict
+from orin.model.vision_encoder import PLAN_CACHE_SIZE, VisionEncoder, VisionPlan
 from quantize.hf_config import load_config
 
 ATOL = 1e-5
@@ -113,7 +113,7 @@ def test_forward_matches_transformers(encoders, weights, grid):
 def test_processor_images_match_transformers(encoders, tiny_model_dir):
     """The production input path: images of several sizes and aspect ratios through the checkpoint's processor,
     one call per image and all of them in one call, split per image as get_image_features splits."""
-    from orin.media import synth_image
+    from orin.inputs.media import synth_image
     from quantize.hf_processor import build_processor
 
     images = [synth_image((64, 64), seed=1), synth_image((160, 96), seed=2, kind="gradient"),
@@ -220,8 +220,8 @@ def test_bad_inputs_are_refused(encoders):
 def test_projections_are_called_as_children(encoders, tiny_model_dir):
     """INT4 conversion swaps the linears layout.py names for Int4Linear by path: they must be nn.Linear children
     at HF's paths, and forward must call them (not read their .weight)."""
-    from orin.int4 import Int4Linear, convert_for_runtime
-    from orin.layout import _RULES
+    from orin.checkpoint.targets import _RULES
+    from orin.int4.linear import Int4Linear, convert_for_runtime
 
     ours, hf, _ = encoders["random"]
     rule = re.compile(_RULES["vision_encoder"])

@@ -1,4 +1,4 @@
-"""Weights at addresses of their own (orin.weight_arena): mapped while a unit is loaded, unmapped when it goes,
+"""Weights at addresses of their own (orin.memory.arena): mapped while a unit is loaded, unmapped when it goes,
 the same addresses when it comes back. The CUDA driver's calls are stood in for by the host's own virtual memory
 (mmap with no access reserves addresses; mprotect maps and unmaps them): the arena's bookkeeping, and the time-
 sliced loader's use of it, run as they do on a GPU; an access to memory the arena unmapped crashes the test, as it
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from orin import components as C
-from orin import loader as loader_module
-from orin.weight_arena import ALIGN, Arenas
+from orin.memory import loader as loader_module
+from orin.memory.arena import ALIGN, Arenas
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -273,7 +273,7 @@ def _profile(torch, cuda_ok: bool, jetson: bool) -> DeviceProfile:
 
 def _plan(model_dir: str, manifest, budget: int, profile: DeviceProfile):
     """The planner's verdict for the standard request on this checkpoint (its own group size and split)."""
-    from ..plan import PlanConfig, make_plan
+    from ..memory.plan import PlanConfig, make_plan
 
     spec = manifest.quant_spec()
     segments = ";".join(f"{name}={'+'.join(comps)}" for name, comps in manifest.segment_split().items())

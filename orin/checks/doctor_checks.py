@@ -121,14 +121,14 @@ def check_cuda(torch, device: str, l4t_release: str | None) -> tuple[Check, bool
 
 
 def check_int4_kernel(torch, device: str) -> Check:
-    """Pack a random GPTQ layer with the project's own code (orin.gptq_format -> orin.int4's int4pack conversion),
+    """Pack a random GPTQ layer with the project's own code (orin.checkpoint.gptq_format -> orin.int4.linear's int4pack conversion),
     run torch's INT4 kernel on a few rows and compare with the dequantized float32 matmul."""
     name = "int4 kernel"
     if torch is None:
         return Check(name, SKIP, "torch is not installed")
-    from ..gptq_format import dequantize_gptq_v1, random_gptq_v1
-    from ..int4 import Int4Linear
-    from ..int4pack import int4_mm
+    from ..checkpoint.gptq_format import dequantize_gptq_v1, random_gptq_v1
+    from ..int4.linear import Int4Linear
+    from ..int4.pack import int4_mm
 
     rows, K, N, g = INT4_SHAPE
     op = "aten._weight_int4pack_mm" + ("" if device == "cuda" else "_for_cpu")
@@ -149,7 +149,7 @@ def check_int4_kernel(torch, device: str) -> Check:
     if not err <= INT4_TOLERANCE:
         return Check(name, FAIL, f"{op} is wrong: relative error {err:.3g} against the dequantized matmul "
                      f"(tolerance {INT4_TOLERANCE})",
-                     "this torch's int4pack layout differs from the one orin.int4 writes; install a supported "
+                     "this torch's int4pack layout differs from the one orin.int4.linear writes; install a supported "
                      f"torch ({_range_text('torch')}) and report the version")
     return Check(name, PASS, f"{op} on {device}: {rows}x{K} @ {K}x{N} (group {g}), relative error {err:.2g}")
 
@@ -340,7 +340,7 @@ def check_disk(model_dir: str) -> Check:
 def check_model_dir(model_dir: str | None, source: str, live: bool):
     """(the check, the manifest or None). `live`: checking the real system, where a model under /tmp is one
     the service cannot see (PrivateTmp); on a staging root that is only a warning, as in install-service."""
-    from ..manifest import read_manifest
+    from ..checkpoint.manifest import read_manifest
     from ..service.unit import TMP_ROOTS, is_under
 
     if model_dir is None:
@@ -368,7 +368,7 @@ def check_model_dir(model_dir: str | None, source: str, live: bool):
 
 def check_checksums(model_dir: str, manifest) -> Check:
     """Every file the manifest lists, against its size and sha256 (all of them, naming each bad one)."""
-    from ..manifest import verify_file
+    from ..checkpoint.manifest import verify_file
 
     refetch = ("copy the checkpoint again from the quantize machine (e.g. rsync -a --checksum OUT/ "
                f"board:{model_dir}/), or re-run orin-omni quantize --force there for the segment")

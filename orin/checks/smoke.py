@@ -1,12 +1,12 @@
 """`orin-omni smoke`: end-to-end checks of a running server (--url) or of the engine in-process (--model-dir).
 
-It makes its own inputs (a 30 s speech-like clip and a test image, orin.media; a 4 s MP4 with a soundtrack,
-orin.video.synth_clip), runs four requests (text only; image + audio + text; speech out; video with its audio +
+It makes its own inputs (a 30 s speech-like clip and a test image, orin.inputs.media; a 4 s MP4 with a soundtrack,
+orin.inputs.video.synth_clip), runs four requests (text only; image + audio + text; speech out; video with its audio +
 text, left out with --no-video) and checks each answer: non-empty text, TTFT and peak memory within limits, for
 speech a valid 24 kHz WAV whose length matches the codec frames generated (12.5 frames/s at 24 kHz is 1920
 samples a frame), for video a prompt at least as long as the clip's frames and soundtrack make it (so the video
 was decoded and its audio kept, not dropped), and power readings where a power backend exists ("skip", never
-"pass", when there is none). In-process the clip goes through orin.video.load_video, the decoder a server uses;
+"pass", when there is none). In-process the clip goes through orin.inputs.video.load_video, the decoder a server uses;
 over HTTP it is a `video_url` data: URL, and a server that refuses that part type (HTTP 400
 unsupported_content_type) fails the video check as one that predates video support. Over HTTP it also checks
 /health and /metrics. Only the standard library talks HTTP here, so the smoke test runs on a device without the
@@ -44,7 +44,7 @@ from .smoke_checks import (
 from .smoke_voice import voice_checks
 
 if TYPE_CHECKING:
-    from ..engine import EngineConfig
+    from ..runtime.engine import EngineConfig
 
 # The video request's clip: 4 s at 10 fps, 128x160 (sides already multiples of 32, under the frame-pixel cap, so
 # the decoder keeps them), with a soundtrack.
@@ -107,11 +107,11 @@ def cases(video: bool = True) -> tuple[Case, ...]:
 
 def video_prompt_tokens(seconds: float = VIDEO_SECONDS, size: tuple[int, int] = VIDEO_SIZE, *, audio: bool = True,
                         n_window: int = 50) -> int:
-    """The fewest prompt tokens the smoke clip can make: its frames sampled at 2 fps (orin.video's default, an
+    """The fewest prompt tokens the smoke clip can make: its frames sampled at 2 fps (orin.inputs.video's default, an
     even count within the frame bounds) in temporal grids of two, each (h/32)·(w/32) tokens (16-pixel patches
     merged 2x2), plus its soundtrack's audio tokens (Qwen3-Omni's n_window 50; the decoded track is never shorter
     than the clip, AAC's priming makes it a little longer)."""
-    from ..video import FRAME_FACTOR, TEMPORAL_PATCH, VideoOptions, sampled_frames
+    from ..inputs.video import FRAME_FACTOR, TEMPORAL_PATCH, VideoOptions, sampled_frames
 
     h, w = size
     frames = sampled_frames(seconds, VideoOptions())
@@ -128,15 +128,15 @@ def video_prompt_tokens(seconds: float = VIDEO_SECONDS, size: tuple[int, int] = 
 class Inputs:
     audio: object  # float32 mono 16 kHz
     image: object  # PIL RGB
-    video: bytes | None = None  # an MP4 with a soundtrack (orin.video.synth_clip); None without the video request
+    video: bytes | None = None  # an MP4 with a soundtrack (orin.inputs.video.synth_clip); None without the video request
 
     @classmethod
     def make(cls, audio_seconds: float, video: bool = False) -> Inputs:
-        from ..media import synth_image, synth_speechlike
+        from ..inputs.media import synth_image, synth_speechlike
 
         clip = None
         if video:
-            from ..video import synth_clip
+            from ..inputs.video import synth_clip
 
             clip = synth_clip(VIDEO_SECONDS, VIDEO_FPS, VIDEO_SIZE, audio=True, seed=0)
         return cls(audio=synth_speechlike(audio_seconds, sr=INPUT_SAMPLE_RATE, seed=0), image=synth_image(224, seed=0),
@@ -146,7 +146,7 @@ class Inputs:
         return "data:video/mp4;base64," + base64.b64encode(self.video).decode()
 
     def wav_b64(self) -> str:
-        from ..media import encode_wav
+        from ..inputs.media import encode_wav
 
         return base64.b64encode(encode_wav(self.audio, sr=INPUT_SAMPLE_RATE)).decode()
 
@@ -237,7 +237,7 @@ def _json_or_error(raw: bytes) -> dict:
 
 
 class EngineTarget:
-    """orin.engine in this process."""
+    """orin.runtime.engine in this process."""
 
     def __init__(self, engine, voice: str | None = None, max_speech_seconds: float | None = None):
         self.engine = engine
@@ -246,7 +246,7 @@ class EngineTarget:
 
     def ask(self, case: Case, inputs: Inputs, max_new_tokens: int) -> Answer:
         from ..contract import GenerationRequest
-        from ..media import encode_wav
+        from ..inputs.media import encode_wav
         from ..serve.chat_request import speech_frames
 
         parts: list[dict] = []
@@ -259,7 +259,7 @@ class EngineTarget:
             extra["max_audio_frames"] = speech_frames(self.max_speech_seconds)
         try:
             if case.video:  # through the real decoder, as a server decodes a video_url part
-                from ..video import load_video
+                from ..inputs.video import load_video
 
                 parts.append({"type": "video", "video": load_video(inputs.video, name="the smoke clip")})
             parts.append({"type": "text", "text": case.prompt})
@@ -343,7 +343,7 @@ def run_smoke(cfg: SmokeConfig, *, engine=None) -> SmokeResult:
         return SmokeResult(target=cfg.url, checks=tuple(checks))
     owned = engine is None
     if owned:
-        from ..engine import Engine
+        from ..runtime.engine import Engine
 
         engine = Engine(cfg.engine)
     try:

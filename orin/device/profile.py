@@ -214,15 +214,18 @@ class DeviceProfile:
         if self.sms:
             lines.append(f"  SMs: {self.sms}" + (f" at {self.sm_clock_ghz} GHz" if self.sm_clock_ghz else ""))
         for group in ("attention", "prefill", "moe", "capture", "memory", "speech"):
-            values = ", ".join(f"{k}={_number(v)}" for k, v in asdict(getattr(self, group)).items())
+            values = ", ".join(f"{k}={_number(k, v)}" for k, v in asdict(getattr(self, group)).items())
             lines.append(f"  {group}: {values}")
         for key, why in self.notes:
             lines.append(f"  assumed: {key}: {why}")
         return "\n".join(lines)
 
 
-def _number(v) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1 << 20 and v % (1 << 20) == 0:
+_BYTE_FIELDS = ("bytes", "chunk", "piece", "gap", "margin")  # fields that hold bytes (the rest: counts)
+
+
+def _number(key: str, v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and key.endswith(_BYTE_FIELDS) and v % (1 << 20) == 0:
         return f"{v >> 20}MiB"
     return str(v)
 

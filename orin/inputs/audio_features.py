@@ -146,7 +146,7 @@ def waveform_key(audio, frames: int) -> bytes:
     """A digest of one audio's samples (as float32), their count and its feature frames: what the engine keeps
     an audio's encoder tokens under between requests. Not of its features: on a GPU the STFT and the mel
     projection of a batch round differently with the batch's shape, so the same audio in another turn's batch
-    gave other feature bits (run 24r re-encoded an earlier turn's audio on some turns). The frames count: the
+    gave other feature bits (an earlier turn's audio was re-encoded on some turns). The frames count: the
     longest audio of a batch gets a frame fewer than it would beside a longer one (LogMel), and so its tokens."""
     wave = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
     return hashlib.blake2b(wave.tobytes(), digest_size=20, person=f"{wave.size}:{frames}".encode()[:16]).digest()

@@ -1,6 +1,6 @@
 """orin-omni's Qwen3-Omni processor: a checkpoint directory's chat template, tokenizer, Whisper features and image
 patches, without transformers. `Processor.prepare(messages)` gives the model's inputs; `apply_chat_template`
-and `__call__(text=..., images=..., audio=..., videos=...)` are the two calls orin.prompt makes of transformers'
+and `__call__(text=..., images=..., audio=..., videos=...)` are the two calls orin.inputs.prompt makes of transformers'
 processor, with the same results, and `tokenizer.decode` / `decode` what the detokenizer needs.
 
 The tensors, as transformers' Qwen3OmniMoeProcessor returns them for one prompt: input_ids and attention_mask
@@ -36,7 +36,7 @@ from .checkpoint_files import (
     preprocessor_values,
 )
 from .image_patches import ImagePatcher, ImageSettings
-from .prompt import check_placeholders, expand_placeholders, split_media
+from .placeholders import check_placeholders, expand_placeholders, split_media
 from .tokenizer import Tokenizer
 from .video_patches import VideoPatcher, audio_in_video
 
@@ -112,7 +112,7 @@ class Processor:
                  video_dtype: torch.dtype = torch.float32, audio_keys: bool = False,
                  lazy_videos: bool = False) -> dict:
         """The tensors of one rendered prompt whose placeholders stand for `images`, `audio` and `videos`
-        (orin.video.Video; with its `audio`, a video with its audio), in order. With `audio_keys`, also
+        (orin.inputs.video.Video; with its `audio`, a video with its audio), in order. With `audio_keys`, also
         "audio_keys": a digest of each audio's samples and feature frames, in the features' order
         (orin.inputs.audio_features.waveform_key; not a model input: take it out before passing the rest to
         transformers). With

@@ -1,4 +1,4 @@
-"""The request's videos (orin.video.Video: sampled, resized frames) as the vision encoder's patches, the layout
+"""The request's videos (orin.inputs.video.Video: sampled, resized frames) as the vision encoder's patches, the layout
 transformers' Qwen2VLVideoProcessor gives under the checkpoint's image settings (Qwen3-Omni ships no separate
 video settings: its video processor reads preprocessor_config.json's mean, std and rescale factor), each video's
 `video_grid_thw`, its `video_second_per_grid`, and the placeholder tokens it becomes.
@@ -13,7 +13,7 @@ Audio in video, as Qwen3OmniMoeProcessor.replace_video_with_audio_token lays it 
 `<|audio_start|>`, then each temporal grid's video tokens at the grid's time (g * second_per_grid *
 position_id_per_seconds, in position ids) with the audio tokens (one position each, 13 a second) whose index is
 smaller than that time before it, the rest of the audio after the last grid, then `<|audio_end|>`; the chat
-template's `<|vision_start|>`/`<|vision_end|>` stay around it. The frames carry no resizing here: orin.video
+template's `<|vision_start|>`/`<|vision_end|>` stay around it. The frames carry no resizing here: orin.inputs.video
 already sized them to 32-pixel tiles under the per-frame cap.
 """
 
@@ -53,11 +53,11 @@ class VideoPatcher:
         frames = np.asarray(video.frames)
         if frames.ndim != 4 or frames.shape[3] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
             raise InputError(f"a video's frames must be [T, H, W, 3] uint8 with T > 0, not {frames.shape} "
-                             f"{frames.dtype}; decode it with orin.video.load_video")
+                             f"{frames.dtype}; decode it with orin.inputs.video.load_video")
         t, height, width = frames.shape[:3]
         if height % s.factor or width % s.factor:
             raise InputError(f"video frames of {width}x{height} pixels: sides must be multiples of {s.factor} "
-                             "(orin.video.load_video sizes them so)")
+                             "(orin.inputs.video.load_video sizes them so)")
         return -(-t // s.temporal_patch_size), height // s.patch_size, width // s.patch_size
 
     def __call__(self, videos: Sequence, device: str | torch.device | None = None,
@@ -111,7 +111,7 @@ class VideoPatcher:
 class LazyVideoPixels:
     """A prompt's videos as the engine encodes them: the uint8 frames stay where they are (the decoded clip, half
     the bytes of its pixel values in BF16) and each vision-encoder pass patchifies its own grids, so no pass holds
-    a two-minute clip's pixel values (run 24: 0.27 GiB at 2 fps, beside the encoder's features at the request's
+    a two-minute clip's pixel values (0.27 GiB at 2 fps, beside the encoder's features at the request's
     peak)."""
 
     patcher: VideoPatcher

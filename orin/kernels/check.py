@@ -1,5 +1,5 @@
 """orin's Triton kernels against their torch references on a tiny problem, once per device, before any of them
-is chosen: the MoE's "triton" backend (orin.moe_backends) is built only where every kernel it and its layer run
+is chosen: the MoE's "triton" backend (orin.int4.moe) is built only where every kernel it and its layer run
 compiles here and computes what the torch ops do. A kernel that fails is never switched off halfway through a
 request: its backend is simply not chosen (one log line), and the torch backend runs from the start.
 
@@ -52,7 +52,7 @@ def _same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _packed(device, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """_E random experts [N, K] in torch's CUDA int4pack layout, and their scales and zeros."""
-    from ..int4pack import _inner_k_tiles
+    from ..int4.pack import _inner_k_tiles
 
     codes = torch.randint(0, 256, (_E, _N, _K // 2), generator=gen, device=device, dtype=torch.int32)
     tiles = _inner_k_tiles(_K)
@@ -65,7 +65,7 @@ def _packed(device, gen) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(device: torch.device) -> None:
     """Each kernel once against its reference; raises where one fails to build or differs."""
-    from ..int4pack import _dequantize, check_cuda_layout, int4_mm
+    from ..int4.pack import _dequantize, check_cuda_layout, int4_mm
     from . import int4_gemm, moe_combine, norm_rope, router, silu_mul
 
     gen = torch.Generator(device=device).manual_seed(0)

@@ -12,7 +12,7 @@ GEMM, and a MoE layer needs one launch per expert plus a host sync for the per-e
 - ``moe_gemv``: decode's k chosen experts for one token, read where they lie (no gather of their tiles),
   split along K so that enough programs keep enough bytes in flight.
 
-The layout (``orin.int4pack._codes_cuda`` derives it from ``int4mm.cu``): row n lives in lanes
+The layout (``orin.int4.pack._codes_cuda`` derives it from ``int4mm.cu``): row n lives in lanes
 ``4 * (n % 8) + tk`` of n-tile ``n // 8``, so each row's words of a super-tile are one contiguous run of
 ``4 * tiles/2`` words; column ``32 j + 16 a + 8 b + 2 tk + h`` of the super-tile is nibble ``4 h + 2 a + b``
 of lane tk's word j. The GEMM and the GEMV load the runs as they lie (coalesced) and take nibbles in storage
@@ -21,7 +21,7 @@ order k runs: the GEMM's callers permute them once, ``nibble_order``; the GEMV g
 kernel); the dequantizer writes in column order.
 
 Needs Triton (it comes with CUDA builds of torch): import this module only where the device profile has Triton
-(orin.moe_backends.triton_runs); the torch backends run tinygemm and torch ops elsewhere. The kernels also run
+(orin.int4.moe.triton_runs); the torch backends run tinygemm and torch ops elsewhere. The kernels also run
 under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how the test suite checks them without a GPU.
 """
 

@@ -10,7 +10,7 @@ program per BLOCK_T tokens and column block finds each token's rows through the 
 weighted sum once, in float32: no atomics, the same bits on every run (for a given launch shape: the reduction's
 order follows the shape's layout), one rounding per element instead of one per row.
 
-Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+Import only where the device profile has Triton (orin.int4.moe.triton_runs); the kernel also runs under
 ``TRITON_INTERPRET=1`` (the tests).
 """
 

@@ -1,7 +1,7 @@
 """A long prompt's per-head query/key RMSNorm and rotary embedding as one Triton kernel, written where the
 attention reads it (the queries' buffer, the KV cache).
 
-``orin.attention`` norms each head's projected queries and keys (HF's ``q_norm``/``k_norm``) and rotates
+``orin.runtime.attention`` norms each head's projected queries and keys (HF's ``q_norm``/``k_norm``) and rotates
 them: ``_rope(_rms(y, weight, eps).transpose(0, 1), cos, sin)``, then copies them into place. As torch ops that
 is eight launches per chunk and projection, each a pass over the chunk's [rows, heads, head_dim]: at a
 25k-token video's prefill, 4,700 of the thinker's 16,400 launches, at a point where
@@ -9,7 +9,7 @@ the host, not the GPU, sets the pace. Here one program per row does all of it, r
 after each step as the torch ops do; only the norm's sum runs in another order (as torch's fused ``rms_norm``
 on CUDA already does against HF's module).
 
-Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+Import only where the device profile has Triton (orin.int4.moe.triton_runs); the kernel also runs under
 ``TRITON_INTERPRET=1`` (the tests).
 """
 

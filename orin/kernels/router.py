@@ -6,7 +6,7 @@ of a decode step's device time, 48 times per token. Here one program per token t
 softmax and k rounds of arg-max; the renormalisation stays in the caller, where torch.compile fuses it.
 
 Same picks as ``torch.topk`` except on exact ties (then the lowest expert id wins here). Import only where the
-device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under ``TRITON_INTERPRET=1`` (the
+device profile has Triton (orin.int4.moe.triton_runs); the kernel also runs under ``TRITON_INTERPRET=1`` (the
 tests).
 """
 

@@ -7,7 +7,7 @@ torch runs ``silu`` and the product as its generic strided kernels, each a pass 
 on an H200. Here one pass reads each row's gate and up once and writes the padded product, rounding
 silu's output to the tensor's dtype before the product as the torch ops do.
 
-Import only where the device profile has Triton (orin.moe_backends.triton_runs); the kernel also runs under
+Import only where the device profile has Triton (orin.int4.moe.triton_runs); the kernel also runs under
 ``TRITON_INTERPRET=1`` (the tests).
 """
 

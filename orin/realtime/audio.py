@@ -57,7 +57,7 @@ def decode(raw: bytes, fmt: str, param: str = "audio"):
 
 def encode_pcm(samples) -> str:
     """Float samples as base64 16-bit little-endian PCM (what `response.output_audio.delta` carries)."""
-    from ..media import encode_pcm16
+    from ..inputs.media import encode_pcm16
 
     return base64.b64encode(encode_pcm16(samples)).decode("ascii")
 

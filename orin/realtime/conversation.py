@@ -82,7 +82,7 @@ class Speech:
 
         Qwen3-Omni's streaming talker reads the thinker's text one token per codec step with no offset: its
         prefill ends on the first generated token and chooses frame 0, and step s adds token s + 1 to choose frame
-        s + 1 (orin.talker, orin.engine._advance_talker). So frame f is made having read tokens 0..f, and the
+        s + 1 (orin.runtime.talker, orin.runtime.engine._advance_talker). So frame f is made having read tokens 0..f, and the
         first F frames, F * 80 ms of speech (orin.audio_format), speak at most the first F tokens; once the text
         has ended the talker reads padding, so frames past the last token keep the whole text."""
         return self.token_ids[: self.frames_heard(audio_end_ms)]
@@ -134,7 +134,7 @@ class Item:
 
 def audio_item(samples, rate: int, item_id: str | None = None) -> Item:
     """A user item of committed input audio (float32 mono at `rate`), resampled to the engine's 16 kHz."""
-    from ..media import resample
+    from ..inputs.media import resample
 
     audio = resample(samples, rate, INPUT_SAMPLE_RATE) if rate != INPUT_SAMPLE_RATE else samples
     return Item(item_id or new_id("item"), "user", [Part("input_audio", audio=audio)])
@@ -209,7 +209,7 @@ def _part(part: object, role: str, input_format: str, limits: MediaLimits, where
 
 
 def _audio_part(part: dict, input_format: str, limits: MediaLimits, where: str) -> Part:
-    from ..media import resample
+    from ..inputs.media import resample
 
     raw = b64decode(part.get("audio"), f"{where}.audio")
     samples = decode(raw, input_format, f"{where}.audio")
@@ -228,7 +228,7 @@ def _audio_part(part: dict, input_format: str, limits: MediaLimits, where: str) 
 
 def _image_part(part: dict, limits: MediaLimits, where: str) -> Part:
     from ..errors import InputError
-    from ..media import load_image
+    from ..inputs.media import load_image
 
     url = part.get("image_url")
     detail = part.get("detail", "auto")

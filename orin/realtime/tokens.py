@@ -1,7 +1,7 @@
 """Prompt tokens of a Realtime conversation, counted item by item with the engine's own template and tokenizer,
 so the oldest items can be dropped to fit the model's context before a response.
 
-Each item is rendered alone by the checkpoint's chat template and tokenized (orin.engine.Engine.count_tokens), and
+Each item is rendered alone by the checkpoint's chat template and tokenized (orin.runtime.engine.Engine.count_tokens), and
 each media placeholder counted as the tokens it expands to (Engine.audio_tokens: an audio's Whisper frames;
 Engine.image_tokens: an image's patch grid after the processor's resize). Qwen3-Omni's template renders each
 message on its own, so the sum over the items, the instructions' system message and the generation prompt is the
@@ -18,7 +18,7 @@ _PLACEHOLDER = {"audio": 1, "image": 1}  # the one pad token each medium's place
 
 class TokenCounter:
     def __init__(self, engine):
-        """`engine`: the served orin.engine.Engine (its count_tokens, audio_tokens and image_tokens)."""
+        """`engine`: the served orin.runtime.engine.Engine (its count_tokens, audio_tokens and image_tokens)."""
         self.engine = engine
         probe = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
         self.generation_prompt = self._length(probe, True) - self._length(probe, False)

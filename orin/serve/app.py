@@ -1,9 +1,9 @@
-"""`orin-omni serve`: an OpenAI-compatible HTTP server around orin.engine, run by systemd as Type=notify.
+"""`orin-omni serve`: an OpenAI-compatible HTTP server around orin.runtime.engine, run by systemd as Type=notify.
 
 The stack: uvicorn (HTTP/1.1 by h11, WebSockets by websockets) serving a Starlette application
 (orin.serve.routes) on a socket bound here (orin.serve.listener), in a thread with its own event loop; the
 protocol apart from HTTP in orin.serve.protocol, orin.serve.chat_request and orin.serve.audio_api. The server uses
-the engine's public methods only (orin.engine.Engine). The GPU serves one generation at a time: a worker thread per
+the engine's public methods only (orin.runtime.engine.Engine). The GPU serves one generation at a time: a worker thread per
 request waits its turn in a bounded FIFO (orin.serve.admission; full -> 429), runs the synchronous engine and
 hands its events to the event loop (orin.serve.worker). The responses, JSON or server-sent events, and the watch for
 a client that hangs up (it cancels the generation, also while queued) are orin.serve.streaming's.
@@ -26,14 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..checkpoint.manifest import check_served_name
 from ..errors import UsageError
-from ..manifest import check_served_name
 from .metrics import Metrics, process_rss_bytes
 from .protocol import Limits
 from .sdnotify import Notifier
 
 if TYPE_CHECKING:
-    from ..engine import EngineConfig
+    from ..runtime.engine import EngineConfig
     from .listener import Listener
     from .worker import Hook
 
@@ -174,7 +174,7 @@ class Server:
         self.bind()
         try:
             if self.engine is None:
-                from ..engine import Engine
+                from ..runtime.engine import Engine
 
                 self.state = "loading"
                 self.notifier.status(f"loading {self.cfg.engine.model_dir}")
@@ -208,7 +208,7 @@ class Server:
         text and speech), so the first client does not pay for first-call compilation, lazily loaded kernels
         (the padded audio batch's attention, the FFTs of the features) and segment loading. Returns its report."""
         from ..contract import GenerationRequest
-        from ..media import synth_image, synth_speechlike
+        from ..inputs.media import synth_image, synth_speechlike
 
         start = time.perf_counter()
         parts = [{"type": "audio", "audio": synth_speechlike(1.0)}, {"type": "audio", "audio": synth_speechlike(0.6)},

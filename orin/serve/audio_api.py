@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
 from ..contract import AudioChunk, Done, TextDelta
 from ..errors import InputError
-from ..media import encode_pcm16
+from ..inputs.media import encode_pcm16
 from .chat_request import ChatRequest, generation_request
 from .protocol import ApiError, Limits, dumps, to_api_error
 from .streaming import CLIENT_CLOSED, STATUS_KEY, EngineResponse
@@ -199,7 +199,7 @@ def parse_transcription(form: dict, limits: Limits, *, random_seed=lambda: secre
     """Validate the multipart fields and decode the audio. Raises ApiError naming the field at fault."""
     import numpy as np
 
-    from ..media import load_audio
+    from ..inputs.media import load_audio
 
     _unsupported(form)
     raw = form.get("file")

@@ -1,5 +1,5 @@
 """A chat-completions request, parsed and validated apart from HTTP: its messages and their media parts (decoded
-into orin.engine's format), its sampling and audio-out parameters, and the engine request it maps to. Pure
+into orin.runtime.engine's format), its sampling and audio-out parameters, and the engine request it maps to. Pure
 functions over dicts and bytes; refusals are orin.serve.protocol's ApiError, naming the field at fault.
 
 Follows what the official `openai` client sends: content parts `text`, `image_url`, `input_audio` and `video_url`
@@ -37,7 +37,7 @@ MAX_VIDEO_FPS = 60.0
 @dataclass(frozen=True)
 class VideoDefaults:
     """The request's `video_fps` and `use_audio_in_video`: what a video_url part that sets neither gets. `fps`
-    None leaves the rate to orin.video (Qwen3-Omni's own 2 fps)."""
+    None leaves the rate to orin.inputs.video (Qwen3-Omni's own 2 fps)."""
 
     fps: float | None = None
     audio: bool = True
@@ -45,7 +45,7 @@ class VideoDefaults:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A validated chat-completions request; `messages` are in orin.engine's format (decoded media)."""
+    """A validated chat-completions request; `messages` are in orin.runtime.engine's format (decoded media)."""
 
     messages: tuple
     model: str | None = None
@@ -125,7 +125,7 @@ def _url_bytes(url: object, limits: Limits, param: str, max_bytes: int, what: st
 
 
 def _image(part: dict, limits: Limits, param: str, max_bytes: int):
-    from ..media import load_image
+    from ..inputs.media import load_image
 
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
@@ -156,7 +156,7 @@ def video_defaults(data: dict) -> VideoDefaults:
 
 
 def _video(part: dict, limits: Limits, param: str, max_bytes: int, defaults: VideoDefaults):
-    from ..video import VideoOptions, load_video
+    from ..inputs.video import VideoOptions, load_video
 
     where = f"{param}.video_url"
     spec = part.get("video_url")
@@ -177,7 +177,7 @@ def _video(part: dict, limits: Limits, param: str, max_bytes: int, defaults: Vid
 def _audio(part: dict, limits: Limits, param: str):
     import numpy as np
 
-    from ..media import load_audio
+    from ..inputs.media import load_audio
 
     spec = part.get("input_audio")
     if not isinstance(spec, dict):
@@ -203,7 +203,7 @@ def _audio(part: dict, limits: Limits, param: str):
 
 
 def _media(kind: str, part: dict, limits: Limits, where: str, max_bytes: int, video: VideoDefaults) -> dict:
-    """A user message's media part, decoded into orin.engine's part."""
+    """A user message's media part, decoded into orin.runtime.engine's part."""
     if kind == "image_url":
         return {"type": "image", "image": _image(part, limits, where, max_bytes)}
     if kind == "input_audio":
@@ -327,7 +327,7 @@ def _audio_param(data: dict, stream: bool, voices: tuple[str, ...]) -> tuple[str
 
 def parse_chat(data: dict, limits: Limits, voices: tuple[str, ...], *, max_bytes: int = 64 << 20,
                random_seed=lambda: secrets.randbits(31)) -> ChatRequest:
-    """Validate a decoded request body and decode its media; `voices` are the talker's (orin.engine.Engine.voices).
+    """Validate a decoded request body and decode its media; `voices` are the talker's (orin.runtime.engine.Engine.voices).
     Raises ApiError (protocol) or orin InputError (media the decoders refuse, a voice the model lacks); both are
     the client's fault."""
     model = data.get("model")

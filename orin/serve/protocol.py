@@ -119,7 +119,7 @@ def encode_audio(samples, fmt: str) -> bytes:
     """One audio payload in `fmt`; a streamed `wav` chunk is a complete small file of its own."""
     import numpy as np
 
-    from ..media import encode_pcm16, encode_wav
+    from ..inputs.media import encode_pcm16, encode_wav
 
     samples = np.zeros(0, dtype=np.float32) if samples is None else samples
     if fmt == "pcm16":

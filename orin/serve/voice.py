@@ -1,7 +1,7 @@
 """The OpenAI `voice` field, parsed once for every API that takes one: the chat request's `audio.voice`,
 `/v1/audio/speech`'s `voice` and the Realtime session's `audio.output.voice` (session.update and response.create).
 Each accepts a speaker name ("Ethan", any case) or the object form `{"id": "ethan"}`; the name must be one of the
-talker's speakers (orin.engine.Engine.voices). A refusal is a VoiceError naming the field, which each protocol
+talker's speakers (orin.runtime.engine.Engine.voices). A refusal is a VoiceError naming the field, which each protocol
 answers in its own error shape (an HTTP 400, a Realtime `error` event)."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.manifest import check_served_name
 from ..errors import ServiceError, UsageError
-from ..manifest import check_served_name
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -1,0 +1,298 @@
+"""`orin-omni plan`: sizes per component and segment, request memory, and the residency verdict.
+
+The same functions size a request for the loader at run time (manifest -> plan -> loader): the loader refuses a
+request the planner says cannot fit before anything is loaded, and follows the planner's residency schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import components as C
+from ..checkpoint.targets import QuantSpec
+from ..contract import Stage
+from ..device.profile import DeviceProfile, named
+from ..errors import BudgetError
+from ..units import format_bytes
+from .model_sizes import ModelSizes, size_model
+from .request_sizes import Request, activation_bytes, kv_bytes, request_tokens, working_bytes
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model: str
+    budget: int = 24 << 30
+    audio_seconds: float = 30.0
+    images: int = 1
+    image_size: int = 224
+    video_seconds: float = 0.0
+    video_fps: float = 2.0
+    video_frame_pixels: int = 448 * 448
+    video_audio: bool = True
+    text_tokens: int = 256
+    speech: bool = True
+    group_size: int = 128
+    segments: str | None = None
+    quantize_audio_encoder: bool = False
+    quantize_code_predictor: bool = False
+    quantize_code2wav: bool = False
+    quantize_vision: bool = True
+    # The device the plan is for (orin.device.profile): its tuning numbers size the working memory and margin.
+    device_profile: str = "orin"
+
+
+@dataclass
+class Verdict:
+    needed: tuple[str, ...]
+    all_resident_bytes: int
+    all_resident: bool
+    time_sliced: bool
+    schedule: list[Stage]
+    streaming: bool
+    peak_bytes: int
+    reason: str
+    min_budget: int = 0  # the smallest budget that serves this request (its leanest schedule's peak)
+
+
+def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
+    """Residency schedules from most to least resident. Streaming speech needs the thinker and the talker
+    side resident together; the sequential fallback speaks after the whole text."""
+    enc = tuple(c for c in ("audio_encoder", "vision_encoder") if c in needed)
+    speech = tuple(c for c in C.SPEECH_COMPONENTS if c in needed)
+    first = [("encode", enc)] if enc else []
+    apart = [(f"encode {c.split('_')[0]}", (c,)) for c in enc]
+    if not speech:
+        return [("time-sliced", first + [("think", ("thinker_text",))]),
+                ("time-sliced, one component at a time", apart + [("think", ("thinker_text",))])]
+    return [
+        ("time-sliced, streaming speech", first + [("think+speak", ("thinker_text",) + speech)]),
+        ("time-sliced, speech after text", first + [("think", ("thinker_text",)), ("speak", speech)]),
+        ("time-sliced, one component at a time", apart + [("think", ("thinker_text",)),
+                                                          ("talk", ("talker", "code_predictor")),
+                                                          ("vocode", ("code2wav",))]),
+    ]
+
+
+def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], needed: tuple[str, ...],
+           budget: int, margin: int = 0) -> Verdict:
+    """The verdict for one request: `resident` holds each component's resident bytes; `margin` is added to
+    every stage (the profile's memory.runtime_margin)."""
+
+    def stage_bytes(comps: tuple[str, ...]) -> int:
+        return sum(resident[c] for c in comps) + working_bytes(comps, kv, act, margin)
+
+    all_bytes = stage_bytes(needed)
+    largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
+    options = []
+    for label, plan in schedules(needed):
+        stages = []
+        for name, comps in plan:
+            stages.append(Stage(name, comps, stage_bytes(comps)))  # an encode stage holds no KV cache
+        options.append((label, stages, max(s.bytes for s in stages)))
+    least = min(peak for _, _, peak in options)
+    for label, stages, peak in options:
+        if peak <= budget:
+            streaming = "streaming" in label or "speak" not in " ".join(s.name for s in stages)
+            if all_bytes <= budget:
+                return Verdict(needed, all_bytes, True, True, stages, streaming, all_bytes,
+                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})", least)
+            return Verdict(needed, all_bytes, False, True, stages, "streaming" in label, peak,
+                           f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}",
+                           least)
+    worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0) + margin
+    return Verdict(needed, all_bytes, False, False, [], False, worst,
+                   f"does not fit: {largest} alone needs {format_bytes(worst)} (weights, KV cache and working "
+                   f"memory) but the budget is {format_bytes(budget)}; the least it runs in is "
+                   f"{format_bytes(least)}", least)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def steady_state(sizes: ModelSizes, kv: dict, act: dict, verdict: Verdict, budget: int, margin: int,
+                 requests: int = 3) -> list[list]:
+    """The loader's moves (orin.memory.residency.Moves per staging) over `requests` consecutive requests like this
+    one, from nothing resident: the first request loads what it needs, the last is the steady state. Empty
+    where the request does not fit."""
+    from .residency import simulate
+
+    if not verdict.time_sliced:
+        return []
+    stages = stagings(verdict, kv, act, margin, verdict.streaming,
+                      speech=any(c in verdict.needed for c in C.SPEECH_COMPONENTS))
+    units = {u: b for c in sizes.components.values() for u, b in c.units.items()}
+    return simulate(stages.calls(), units, budget, requests)
+
+
+def stagings(verdict: Verdict, kv: dict, act: dict, margin: int, streaming: bool, speech: bool,
+             prefetch: bool = True):
+    """The loader's stagings for a request with this verdict (orin.memory.residency.StagePlan), each with the working
+    bytes the planner gives it."""
+    from .residency import stage_plan
+
+    return stage_plan([s.resident for s in verdict.schedule], verdict.needed,
+                      lambda comps: working_bytes(comps, kv, act, margin), streaming, speech,
+                      keeps_weights=verdict.all_resident, prefetch=prefetch)
+
+
+@dataclass
+class PlanResult:
+    cfg: PlanConfig
+    sizes: ModelSizes
+    request: Request
+    tokens: dict
+    kv: dict
+    act: dict
+    verdict: Verdict
+    profile: DeviceProfile
+    quantized: bool = True
+    stream: list = field(default_factory=list)  # steady_state(): moves per staging of consecutive requests
+
+    def to_json(self) -> dict:
+        from .residency import stationary
+
+        s = self.sizes
+        v = self.verdict
+        return {
+            "model": self.cfg.model,
+            "budget_bytes": self.cfg.budget,
+            "total_params": s.total_params,
+            "quantization": s.spec.describe(),
+            "padded_layers": s.padded_layers,
+            "components": {n: c.to_json() for n, c in s.components.items()},
+            "segments": {n: s.segment(n) for n in s.segments},
+            "totals": {
+                "params": s.total_params,
+                "bf16_bytes": sum(c.bf16_bytes for c in s.components.values()),
+                "int4_bytes": sum(c.int4_bytes for c in s.components.values()),
+                "runtime_bytes": sum(c.runtime_int4_bytes for c in s.components.values()),
+            },
+            "request": {
+                "tokens": self.tokens,
+                "kv_bytes": sum(self.kv.values()),
+                "kv_by_component": self.kv,
+                "activation_bytes": max(self.act.values() or [0]),
+                "activation_by_component": self.act,
+                "runtime_margin_bytes": self.profile.memory.runtime_margin,
+                "needed": list(v.needed),
+            },
+            "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
+            "schedule": [st.to_json() for st in v.schedule],
+            "stream": [{"bytes_loaded": sum(m.loaded() for m in r), "stagings": [m.to_json() for m in r],
+                        "graphs": list(stationary(r))} for r in self.stream],
+            "all_resident_bytes": v.all_resident_bytes,
+            "min_budget_bytes": v.min_budget,
+            "peak_bytes": v.peak_bytes,
+            "verdict": v.reason,
+            "device_profile": self.profile.as_dict(),
+        }
+
+
+def request_from(cfg: PlanConfig) -> Request:
+    return Request(audio_seconds=cfg.audio_seconds, images=cfg.images, image_size=cfg.image_size,
+                   video_seconds=cfg.video_seconds, video_fps=cfg.video_fps, video_frame_pixels=cfg.video_frame_pixels,
+                   video_audio=cfg.video_audio, text_tokens=cfg.text_tokens, speech=cfg.speech)
+
+
+def plan_request(sizes: ModelSizes, req: Request, budget: int, profile: DeviceProfile, dtype_bytes: int = 2,
+                 resident: dict[str, int] | None = None) -> tuple[dict, dict, dict, Verdict]:
+    tokens = request_tokens(req, sizes.dims, profile)
+    kv = kv_bytes(tokens, sizes.dims, dtype_bytes, profile)
+    act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
+    if resident is None:
+        resident = {n: c.runtime_int4_bytes for n, c in sizes.components.items()}
+    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, profile.memory.runtime_margin)
+
+
+def make_plan(cfg: PlanConfig) -> PlanResult:
+    from ..errors import UsageError
+    from ..model.config import load_omni_config
+
+    if cfg.group_size not in (32, 64, 128, 256):
+        raise UsageError(f"group size {cfg.group_size} is not supported: use 32, 64, 128 or 256 "
+                         "(the sizes torch's INT4 kernels take)")
+    segments = C.parse_segments(cfg.segments)
+    config = load_omni_config(cfg.model)
+    spec = QuantSpec(group_size=cfg.group_size, quantize_audio_encoder=cfg.quantize_audio_encoder,
+                     quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav,
+                     quantize_vision=cfg.quantize_vision)
+    profile = named(cfg.device_profile)
+    sizes = size_model(config, spec, segments)
+    req = request_from(cfg)
+    tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget, profile)
+    stream = steady_state(sizes, kv, act, verdict, cfg.budget, profile.memory.runtime_margin)
+    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict, profile, stream=stream)
+
+
+def require_fit(verdict: Verdict) -> None:
+    if not verdict.time_sliced:
+        raise BudgetError(f"request refused before loading anything: {verdict.reason}; raise --budget, "
+                          "or ask for less (--no-speech, fewer images, shorter audio, fewer tokens)")
+
+
+def render_plan(result: PlanResult) -> str:
+    j = result.to_json()
+    lines = [f"model: {result.cfg.model}   total parameters: {j['total_params']:,}", ""]
+    hdr = f"{'component':<22}{'params':>16}{'BF16':>12}{'INT4 file':>12}{'resident':>12}"
+    lines += [hdr, "-" * len(hdr)]
+    for name, c in result.sizes.components.items():
+        title = C.BY_NAME[name].title
+        lines.append(f"{title:<22}{c.params:>16,}{format_bytes(c.bf16_bytes):>12}{format_bytes(c.int4_bytes):>12}"
+                     f"{format_bytes(c.runtime_int4_bytes):>12}")
+    t = j["totals"]
+    lines.append(f"{'total':<22}{t['params']:>16,}{format_bytes(t['bf16_bytes']):>12}{format_bytes(t['int4_bytes']):>12}"
+                 f"{format_bytes(t['runtime_bytes']):>12}")
+    lines += ["", f"{'segment':<22}{'params':>16}{'BF16':>12}{'INT4 file':>12}  components"]
+    for name, s in j["segments"].items():
+        lines.append(f"{name:<22}{s['params']:>16,}{format_bytes(s['bf16_bytes']):>12}{format_bytes(s['int4_bytes']):>12}"
+                     f"  {' + '.join(s['components'])}")
+    q = result.sizes.spec
+    lines += ["", f"INT4 layout: GPTQ v1, {q.bits}-bit, group {q.group_size}, {'symmetric' if q.sym else 'asymmetric'}; "
+                  + "; ".join(f"{k}: {v}" for k, v in q.describe()["quantized"].items()),
+              f"stays BF16: {q.describe()['stays_bf16']}"]
+    for p in result.sizes.padded_layers:
+        lines.append(f"padded: {p['layers']} linear(s) with in_features {p['in_features']} stored as "
+                     f"{p['padded_in_features']} (zero columns, exact output)")
+    r = j["request"]
+    tok = r["tokens"]
+    lines += ["", f"request: {tok['prompt']} prompt tokens (audio {tok['audio']}, image {tok['image']}, video "
+                  f"{tok['video']}, text {result.request.prompt_text_tokens}) + {tok['generated']} generated"
+                  + (f", up to {tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
+              f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])} "
+              f"+ {format_bytes(result.profile.memory.runtime_margin)} runtime margin, "
+              f"needs: {', '.join(r['needed'])}"]
+    lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}",
+              f"all-resident from {format_bytes(j['all_resident_bytes'])}; the least budget this request runs in: "
+              f"{format_bytes(j['min_budget_bytes'])}"]
+    for st in result.verdict.schedule:
+        lines.append(f"  stage {st.name:<12} {format_bytes(st.bytes):>12}  resident: {', '.join(st.resident)}")
+    if result.stream:
+        lines += _render_stream(result)
+    lines += ["", result.profile.render()]
+    return "\n".join(lines)
+
+
+def _render_stream(result: PlanResult) -> list[str]:
+    first, steady = result.stream[0], result.stream[-1]
+    units = {n: len(c.units) for n, c in result.sizes.components.items()}
+
+    def moved(m, kind: str) -> str:
+        counts = m.units[kind]
+        return ", ".join(f"{c} {format_bytes(b)}" + (f" ({counts[c]} of {units[c]} units)" if counts[c] < units[c]
+                                                      else "") for c, b in m.bytes[kind].items())
+
+    total = sum(m.loaded() for m in steady)
+    lines = ["", f"a stream of such requests loads {format_bytes(total)} per request in the steady state (the first "
+                 f"request {format_bytes(sum(m.loaded() for m in first))}), staging by staging:"]
+    names = {"in": "in", "ahead": "in the background", "out": "out"}
+    for m in steady:
+        what = "+".join(m.call.comps) + (" (next request)" if not m.call.wait else "")
+        parts = [f"{names[k]}: {moved(m, k)}" for k in ("out", "in", "ahead") if m.bytes[k]]
+        lines.append(f"  {what:<44} {'; '.join(parts) or 'nothing moves'}")
+    from .residency import stationary
+
+    still = stationary(steady)
+    moving = [c for c in dict.fromkeys(c for m in steady for c in m.call.comps) if c not in still]
+    lines.append("whole-input passes (encoders, prefills, code2wav) replayed from CUDA graphs where the weights stay "
+                 f"put: {', '.join(still) or 'none'}; eager: {', '.join(moving) or 'none'}")
+    return lines
