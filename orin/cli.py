@@ -24,11 +24,19 @@ class _OrinGroup(click.Group):
         try:
             return super().invoke(ctx)
         except UsageError as exc:
-            raise click.UsageError(str(exc), ctx=ctx) from exc
+            raise click.UsageError(str(exc), ctx=self._command_context(ctx)) from exc
         except OrinError as exc:
             err = click.ClickException(str(exc))
             err.exit_code = exc.exit_code
             raise err from exc
+
+    def _command_context(self, ctx: click.Context) -> click.Context:
+        """A context for the subcommand that raised, so the usage printed above the error is that command's
+        (`orin-omni install-service [OPTIONS]`), not the group's. The subcommand's own context is closed by
+        the time the error gets here; this one only renders usage and the help hint."""
+        name = ctx.invoked_subcommand
+        command = self.get_command(ctx, name) if name else None
+        return ctx if command is None else click.Context(command, info_name=name, parent=ctx)
 
 
 def _csv(value: str | None) -> tuple[str, ...] | None:
@@ -61,8 +69,10 @@ def cli():
 @click.option("--group-size", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--segments", "segments", default=None,
               help="Segment split, e.g. 'thinker=audio_encoder+thinker_text;talker_vision=vision_encoder+talker+code_predictor+code2wav'.")
-@click.option("--device-profile", type=click.Choice(list(PROFILES)), default="orin", show_default=True,
-              help="The device the plan is for: its tuning numbers size the working memory and the margin.")
+@click.option("--device-profile", type=click.Choice(["auto", *PROFILES]), default="auto", show_default=True,
+              help="The device the plan is for: its tuning numbers size the working memory and the margin. auto: "
+                   "this machine's (cpu without CUDA, a Jetson's orin); pass orin to plan for the board from "
+                   "another machine.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_cmd(model, budget, audio_seconds, images, image_size, video_seconds, video_fps, video_frame_pixels,
              video_audio, text_tokens, speech, group_size, segments, device_profile, as_json):
@@ -188,7 +198,8 @@ def uninstall_service_cmd(name, root, dry_run):
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--power-backend", type=click.Choice(["auto", "jtop", "ina3221", "nvml", "none"]), default="auto",
               show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print only the request report, as JSON (no answer text).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print only the request report, as one line of JSON (no answer text).")
 @packed_cache_option
 def generate_cmd(model_dir, text, images, audios, videos, video_fps, video_audio, max_video_seconds, out_wav, speech,
                  budget, max_new_tokens, max_audio_frames, voice, temperature, device, power_backend, as_json,

@@ -1,11 +1,12 @@
 """`orin-omni generate`: one request through the engine. For people: the answer on stdout as it is written, then
 a short summary on stderr (TTFT, tokens/s, peak memory, energy, where the speech went). For machines: `--json`,
-one compact report on stdout."""
+the report as one JSON line on stdout; a terminal gets the answer with its control characters escaped."""
 
 from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,9 +81,11 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     engine = Engine(cfg.engine)
     try:
         chunks, report = [], None
+        isatty = getattr(out, "isatty", None)
+        show = for_terminal if isatty is not None and isatty() else str  # a file or pipe gets the text as it is
         for event in engine.stream(request):
             if isinstance(event, TextDelta) and not cfg.as_json:
-                out.write(event.text)
+                out.write(show(event.text))
                 out.flush()
             elif isinstance(event, AudioChunk):
                 chunks.append(event.samples)
@@ -101,7 +104,7 @@ def run_generate(cfg: GenerateConfig, out=None, err=None) -> dict:
         wav = str(Path(cfg.out_wav))
     result = {**report.to_json(), "wav": wav}
     if cfg.as_json:
-        out.write(compact_json(result) + "\n")
+        out.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")  # one line: one report
     else:
         out.write("\n")
         out.flush()
@@ -147,20 +150,15 @@ def _energy_line(energy) -> str:
     return line + (f"; {energy.note}" if energy.note else "")
 
 
-def compact_json(obj, indent: int = 2) -> str:
-    """JSON with objects indented and lists of plain values on one line: 256 token ids are one line, not 256."""
-
-    def render(value, depth: int) -> str:
-        pad, inner = " " * (indent * depth), " " * (indent * (depth + 1))
-        if isinstance(value, dict):
-            if not value:
-                return "{}"
-            items = [f"{inner}{json.dumps(str(k))}: {render(v, depth + 1)}" for k, v in value.items()]
-            return "{\n" + ",\n".join(items) + "\n" + pad + "}"
-        if isinstance(value, (list, tuple)):
-            if all(not isinstance(v, (dict, list, tuple)) for v in value):
-                return json.dumps(list(value), default=str)
-            return "[\n" + ",\n".join(inner + render(v, depth + 1) for v in value) + "\n" + pad + "]"
-        return json.dumps(value, default=str)
-
-    return render(obj, 0)
+def for_terminal(text: str) -> str:
+    """`text` safe to print on a terminal: control characters other than newline and tab (a random model's bell,
+    escape or carriage return would ring, recolour or overwrite the screen) shown escaped, as \\x07; a lone
+    surrogate, which no terminal encoding can write, as U+FFFD."""
+    out = []
+    for ch in text:
+        kind = unicodedata.category(ch)
+        if kind == "Cc" and ch not in "\n\t":
+            out.append(f"\\x{ord(ch):02x}")  # every Cc is below U+0100: C0, DEL and C1
+        else:
+            out.append("\ufffd" if kind == "Cs" else ch)
+    return "".join(out)

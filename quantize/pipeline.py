@@ -30,6 +30,8 @@ from .session import Session, memory_plan
 from .settings import QuantConfig, calibration_source
 from .skips import Skips
 
+LOCK_NAME = ".quantize.lock"
+
 __all__ = ["QuantConfig", "QuantizeRun", "quantize_run", "render_result", "run_quantize"]
 
 
@@ -66,21 +68,36 @@ def quantize_run(cfg: QuantConfig) -> QuantizeRun:
 @contextlib.contextmanager
 def _exclusive(out: Path):
     """One quantize run per OUT at a time: a second one would interleave segment writes and manifest updates.
-    The lock file is hidden inside OUT and stays (removing it would race with a starting run)."""
+    The lock file is hidden inside OUT while the run lasts and removed when it ends, so a finished checkpoint
+    holds only its own files (a killed run leaves it; the next run takes it over)."""
     import fcntl
+    import os
 
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".quantize.lock", "w") as fh:
+    lock = out / LOCK_NAME
+    while True:
+        fh = open(lock, "a")  # closed below, once the lock is released
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
+            fh.close()
             raise UsageError(f"another orin-omni quantize is writing {out}; wait for it to finish") from exc
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            current = os.stat(lock)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(current, os.fstat(fh.fileno())):
+            break
+        # The run before removed the file between this open and this lock: the lock is on a name no one sees.
+        fh.close()
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # while still held: a run starting now finds it gone and takes a new one
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
 
 
 def _run(cfg: QuantConfig, plan: dict, log: Progress, meter) -> tuple[Manifest, object]:

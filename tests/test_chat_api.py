@@ -154,11 +154,16 @@ def test_media_errors():
     _bad(_image_part("ftp://example.com/cat.png"), "must be a data: URL")
     _bad(_image_part("data:image/png;base64,@@@"), "not valid base64")
     _bad(_image_part("data:image/png;base64,"), "holds no image bytes")
-    _bad(_image_part("data:image/png;base64," + base64.b64encode(b"not an image at all").decode()), "not supported")
-    _bad(_image_part(_png((200, 100))), "over the 0.01-megapixel limit")
+    text = _bad(_image_part("data:image/png;base64," + base64.b64encode(b"not an image at all").decode()),
+                "not an image: PNG, JPEG or WebP expected (the bytes look like text)")
+    assert text.param == "messages[0].content[0].image_url" and str(text).startswith(text.param)
+    assert _bad(_image_part(_png((200, 100))), "over the 0.01-megapixel limit").param == \
+        "messages[0].content[0].image_url"
     _bad(_audio_part("!!notbase64!!"), "input_audio.data is not valid base64")
     _bad(_audio_part(""), "input_audio.data is empty")
-    _bad(_audio_part(base64.b64encode(b"hello, this is text and not audio").decode()), "not a supported audio file")
+    noise = _bad(_audio_part(base64.b64encode(b"hello, this is text and not audio").decode()),
+                 "not a supported audio file")
+    assert noise.param == "messages[0].content[0].input_audio.data" and str(noise).startswith(noise.param)
     _bad(_audio_part(base64.b64encode(encode_wav(np.zeros(0, np.float32), sr=16000)).decode()), "zero length")
     _bad(_audio_part(_wav_b64(6.0)), "over the 5 s limit")
     _bad(_audio_part(_wav_b64(), fmt="aac"), "input_audio.format 'aac' is not supported")
@@ -299,3 +304,24 @@ def test_finish_reason_and_errors_map_to_the_api():
     assert to_api_error(ModelError("weights missing")).type == "server_error"
     err = to_api_error(RuntimeError("boom"))
     assert err.status == 500 and "RuntimeError: boom" in err.message
+
+
+def test_a_text_file_sent_as_an_image_is_a_400_naming_the_part(engine, quantized_dir):
+    """Through the real server and the official client, as a user meets it: the refusal says what the bytes are
+    and `param` names the part, as for every other media refusal."""
+    import openai
+    import server_kit as kit
+
+    srv = kit.start_server(engine, quantized_dir)
+    try:
+        content = [{"type": "text", "text": "What is this?"},
+                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                       + base64.b64encode(b"notes from the meeting\n").decode()}}]
+        with pytest.raises(openai.BadRequestError) as info:
+            kit.client(srv).chat.completions.create(model=engine.model_name, max_tokens=2,
+                                                    messages=[{"role": "user", "content": content}])
+        assert info.value.param == "messages[0].content[1].image_url"
+        assert info.value.body["message"] == ("messages[0].content[1].image_url: not an image: PNG, JPEG or WebP "
+                                              "expected (the bytes look like text)")
+    finally:
+        srv.stop()

@@ -70,7 +70,7 @@ def test_plan_prints_the_profile_it_sizes_with(real_config):
 
     from orin.cli import cli
 
-    orin = CliRunner().invoke(cli, ["plan", real_config, "--budget", "24GiB"])
+    orin = CliRunner().invoke(cli, ["plan", real_config, "--budget", "24GiB", "--device-profile", "orin"])
     cpu = CliRunner().invoke(cli, ["plan", real_config, "--budget", "24GiB", "--device-profile", "cpu"])
     assert orin.exit_code == 0 and cpu.exit_code == 0, orin.output + cpu.output
     assert "device profile: orin" in orin.output and "+ 768.00 MiB runtime margin" in orin.output

@@ -1,5 +1,5 @@
 """`orin-omni generate` as a person and as a machine sees it: the answer then a summary, speech only where it
-goes, a compact --json."""
+goes, a terminal safe from the answer's control characters, --json as one line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from orin.cli import cli
-from orin.generate import compact_json, render_summary
+from orin.generate import for_terminal, render_summary
 
 BASE = ["--max-new-tokens", "4", "--device", "cpu", "--power-backend", "none"]
 
@@ -40,13 +40,11 @@ def test_speech_written_names_the_file(quantized_dir, tmp_path):
     assert f"written to {wav}" in res.stderr and wav.stat().st_size > 44
 
 
-def test_json_is_compact_and_alone_on_stdout(quantized_dir):
+def test_json_is_one_line_and_alone_on_stdout(quantized_dir):
     res = _run(quantized_dir, "--json")
+    assert res.stdout.count("\n") == 1 and res.stdout.endswith("}\n")
     report = json.loads(res.stdout)
-    assert report["wav"] is None and report["talker_frames"] == 0
-    ids_line = [line for line in res.stdout.splitlines() if '"token_ids"' in line]
-    assert len(ids_line) == 1 and ids_line[0].strip().rstrip(",").endswith("]")
-    assert not any(line.strip().rstrip(",").lstrip("-").replace(".", "").isdigit() for line in res.stdout.splitlines())
+    assert report["wav"] is None and report["talker_frames"] == 0 and len(report["token_ids"]) >= 1
 
 
 def test_no_speech_with_out_wav_is_refused(quantized_dir, tmp_path):
@@ -55,24 +53,74 @@ def test_no_speech_with_out_wav_is_refused(quantized_dir, tmp_path):
     assert res.exit_code != 0 and "--out-wav needs speech" in res.output
 
 
-def test_compact_json_keeps_structure():
-    obj = {"a": [1, 2, 3], "b": {"c": [{"d": 1}], "e": []}, "f": "x"}
-    text = compact_json(obj)
-    assert json.loads(text) == obj and '"a": [1, 2, 3]' in text
+def test_control_characters_are_escaped_for_a_terminal_only():
+    assert for_terminal("a\x07b\x1b[31mc\rd\x7f\x9b\ttab\nline é 😀") == "a\\x07b\\x1b[31mc\\x0dd\\x7f\\x9b\ttab\nline é 😀"
+    assert for_terminal("lone \ud800 surrogate") == "lone \ufffd surrogate"
+    assert for_terminal("zero\u200dwidth joiner") == "zero\u200dwidth joiner"  # emoji sequences need it
 
 
-def test_summary_with_energy_and_budget():
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.written = tty, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.written.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_answer_on_a_terminal_has_its_control_characters_escaped(monkeypatch):
+    """A random model's bytes (a bell, an escape sequence) never reach the terminal raw; a pipe gets them as they are."""
+    from orin.contract import Done, TextDelta
+    from orin.generate import GenerateConfig, run_generate
+    from orin.runtime import engine as engine_module
+    from orin.runtime.engine import EngineConfig
+
+    report = _report()
+
+    class Engine:
+        def __init__(self, cfg):
+            pass
+
+        def stream(self, request):
+            yield TextDelta("ding\x07 \x1b[2J", (1, 2))
+            yield TextDelta("done\n", (3,))
+            yield Done(report)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(engine_module, "Engine", Engine)
+    cfg = GenerateConfig(engine=EngineConfig(model_dir="unused", device="cpu"), text="hi")
+    for tty, answer in ((True, "ding\\x07 \\x1b[2Jdone\n\n"), (False, "ding\x07 \x1b[2Jdone\n\n")):
+        out, err = _Stream(tty), _Stream(False)
+        run_generate(cfg, out=out, err=err)
+        assert "".join(out.written) == answer
+    out = _Stream(True)
+    run_generate(GenerateConfig(engine=cfg.engine, text="hi", as_json=True), out=out, err=_Stream(False))
+    assert json.loads("".join(out.written))["text"] == report.text  # --json carries the text as JSON escapes it
+
+
+def _report(**overrides):
     from orin.contract import Report
     from orin.power.energy import Energy, EnergyReport
 
     energy = EnergyReport("request", "ina3221", ("ina3221",), Energy(12.5, 25.0, 30.0, 0.5, covered_seconds=0.5,
                                                                     samples=5))
-    report = Report(text="abc", prompt_tokens=9, completion_tokens=3, token_ids=(1, 2, 3), ttft_s=0.1,
-                    first_audio_s=0.3, tokens_per_s=20.0, total_s=1.0, talker_frames=25, talker_s=0.2,
-                    audio_seconds=2.0, peak_bytes=3 << 30, budget_bytes=24 << 30, device="cuda:0", schedule=(),
-                    streaming_speech=True, swaps=(), resident_after=(), energy=energy, cancelled=False,
-                    finish_reason="length")
-    text = render_summary(report, "/tmp/a.wav")
+    fields = dict(text="ding\x07", prompt_tokens=9, completion_tokens=3, token_ids=(1, 2, 3), ttft_s=0.1,
+                  first_audio_s=0.3, tokens_per_s=20.0, total_s=1.0, talker_frames=25, talker_s=0.2,
+                  audio_seconds=2.0, peak_bytes=3 << 30, budget_bytes=24 << 30, device="cuda:0", schedule=(),
+                  streaming_speech=True, swaps=(), resident_after=(), energy=energy, cancelled=False,
+                  finish_reason="length")
+    return Report(**{**fields, **overrides})
+
+
+def test_summary_with_energy_and_budget():
+    text = render_summary(_report(text="abc"), "/tmp/a.wav")
     assert "3.00 GiB of a 24.00 GiB budget" in text and "12.5 J, mean 25.0 W (ina3221)" in text
     assert "speech: 2.00 s (25 codec frames" in text and "/tmp/a.wav" in text
 

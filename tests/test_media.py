@@ -268,8 +268,39 @@ def test_unsupported_image_formats_are_refused():
     Image.new("P", (4, 4)).save(gif, "GIF")
     with pytest.raises(InputError, match="GIF images are not supported; send PNG, JPEG or WebP"):
         load_image(gif.getvalue())
-    with pytest.raises(InputError, match="not an image format"):
-        load_image(b"hello, I am text")
+    with pytest.raises(InputError, match=r"^image bytes: not an image: PNG, JPEG or WebP expected "
+                                          r"\(the bytes look like text\)$"):
+        load_image(b"hello, I am text\n")
+
+
+@pytest.mark.parametrize("data, looks", [
+    ("Grüße, ça va?\n".encode()[:8], "text"),  # cut inside a character: still text
+    (encode_wav(np.zeros(160, np.float32), sr=16000), "WAV audio"),
+    (b"%PDF-1.7\n%\xe2\xe3", "a PDF document"),
+    (b"iVBORw0KGgoAAAANSUhEUg==", "an image base64-encoded twice; encode it once"),
+    (b"\x00\x01\x02\x03binary", None),
+])
+def test_what_a_non_image_looks_like_is_said(data, looks):
+    with pytest.raises(InputError) as info:
+        load_image(data, name="photo")
+    message = str(info.value)
+    assert message.startswith("photo: not an image: PNG, JPEG or WebP expected")
+    assert message.endswith(f"(the bytes look like {looks})" if looks else "expected"), message
+
+
+def test_a_still_image_sent_as_a_video_is_named_alike_from_a_path_and_from_bytes(tmp_path):
+    from orin.inputs.video import load_video
+
+    buf = io.BytesIO()
+    synth_image(64).save(buf, "JPEG")
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(buf.getvalue())
+    messages = []
+    for src in (path, buf.getvalue()):
+        with pytest.raises(InputError) as info:
+            load_video(src, name="clip")
+        messages.append(str(info.value))
+    assert messages == ["clip is a still image (JPEG), not a video; send it as an image"] * 2
 
 
 def test_webp_loads():

@@ -35,7 +35,7 @@ def _thinker_text_int4(t: dict, g: int) -> int:
 
 def test_real_config_total_and_thinker(real_config):
     cfg = json.load(open(real_config))
-    result = make_plan(PlanConfig(model=real_config)).to_json()
+    result = make_plan(PlanConfig(model=real_config, device_profile="orin")).to_json()
     assert result["total_params"] == 35_259_818_545
     t = cfg["thinker_config"]["text_config"]
     thinker = result["components"]["thinker_text"]
@@ -52,7 +52,7 @@ def test_real_config_total_and_thinker(real_config):
 
 
 def test_real_config_vision_fc2_stays_bf16(real_config):
-    result = make_plan(PlanConfig(model=real_config)).to_json()
+    result = make_plan(PlanConfig(model=real_config, device_profile="orin")).to_json()
     assert result["padded_layers"] == []  # the 4304-wide fc2 is not quantized, so nothing is padded
     vis = result["components"]["vision_encoder"]
     fc2_bf16 = 27 * (4304 * 1152 + 1152) * 2
@@ -61,7 +61,7 @@ def test_real_config_vision_fc2_stays_bf16(real_config):
 
 def test_real_request_tokens_and_kv(real_config):
     cfg = json.load(open(real_config))
-    result = make_plan(PlanConfig(model=real_config)).to_json()
+    result = make_plan(PlanConfig(model=real_config, device_profile="orin")).to_json()
     req = result["request"]
     # 30 s audio -> 390 tokens, one 224x224 image -> 49, plus the chat template: 467 prompt tokens.
     assert req["tokens"]["audio"] == 390 == audio_tokens(30, 50)
@@ -77,16 +77,17 @@ def test_real_request_tokens_and_kv(real_config):
 
 
 def test_verdicts_change_with_budget(real_config):
-    sliced = make_plan(PlanConfig(model=real_config, budget=19 * 2**30)).to_json()
+    sliced = make_plan(PlanConfig(model=real_config, device_profile="orin", budget=19 * 2**30)).to_json()
     assert sliced["fits"]["all_resident"] is False and sliced["fits"]["time_sliced"] is True
     assert sliced["peak_bytes"] <= 19 * 2**30
     assert [s["name"] for s in sliced["schedule"]][0] == "encode"
-    sequential = make_plan(PlanConfig(model=real_config, budget=17 * 2**30)).to_json()
+    sequential = make_plan(PlanConfig(model=real_config, device_profile="orin", budget=17 * 2**30)).to_json()
     assert sequential["fits"]["time_sliced"] is True and sequential["fits"]["streaming"] is False
-    nofit = make_plan(PlanConfig(model=real_config, budget=8 * 2**30)).to_json()
+    nofit = make_plan(PlanConfig(model=real_config, device_profile="orin", budget=8 * 2**30)).to_json()
     assert nofit["fits"] == {"all_resident": False, "time_sliced": False, "streaming": False}
     assert "thinker_text" in nofit["verdict"]
-    text_only = make_plan(PlanConfig(model=real_config, audio_seconds=0, images=0, speech=False)).to_json()
+    text_only = make_plan(PlanConfig(model=real_config, device_profile="orin", audio_seconds=0, images=0,
+                                     speech=False)).to_json()
     assert text_only["request"]["needed"] == ["thinker_text"]
 
 
@@ -94,7 +95,8 @@ def test_the_products_video_case_is_sized_as_the_long_prefill_runs_it(real_confi
     """120 s at 2 fps with its soundtrack, one image, speech: 25k prompt tokens that the thinker and the talker
     prefill one layer at a time (orin.runtime.decode), so neither decoder's working memory grows with the square of the
     prompt (the talker's was once sized at 19.5 GiB of attention scores it never makes)."""
-    result = make_plan(PlanConfig(model=real_config, audio_seconds=0, video_seconds=120, video_fps=2)).to_json()
+    result = make_plan(PlanConfig(model=real_config, device_profile="orin", audio_seconds=0, video_seconds=120,
+                                  video_fps=2)).to_json()
     req = result["request"]
     assert req["tokens"]["prompt"] > 25_000
     act = req["activation_by_component"]
@@ -118,14 +120,14 @@ def test_tiny_model_plan(tiny_model_dir):
 
 def test_cli_plan_json_and_table(real_config):
     runner = CliRunner()
-    res = runner.invoke(cli, ["plan", real_config, "--json"])
+    res = runner.invoke(cli, ["plan", real_config, "--device-profile", "orin", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     for key in ("components", "segments", "request", "fits", "peak_bytes"):
         assert key in data
     assert set(data["request"]) >= {"tokens", "kv_bytes", "activation_bytes"}
     assert set(data["fits"]) >= {"all_resident", "time_sliced"}
-    table = runner.invoke(cli, ["plan", real_config, "--budget", "18GiB", "--no-speech"])
+    table = runner.invoke(cli, ["plan", real_config, "--device-profile", "orin", "--budget", "18GiB", "--no-speech"])
     assert table.exit_code == 0, table.output
     assert "35,259,818,545" in table.output and "thinker text decoder" in table.output
 
@@ -177,3 +179,41 @@ def test_bad_model_paths(tmp_path):
 def test_bad_group_size(real_config):
     res = CliRunner().invoke(cli, ["plan", real_config, "--group-size", "100"])
     assert res.exit_code == 2 and "100" in res.output
+
+
+@pytest.mark.parametrize("cuda, capability, tegra, want", [
+    (False, None, False, "cpu"), (False, None, True, "orin"), (True, (8, 7), False, "orin"),
+    (True, (9, 0), False, "hopper"), (True, (8, 6), False, "ampere"), (True, (8, 6), True, "orin"),
+])
+def test_auto_is_this_machines_kind_without_probing(monkeypatch, cuda, capability, tegra, want):
+    import torch
+
+    from orin.memory.plan import machine_profile, plan_profile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert machine_profile(tegra=tegra).name == want
+    monkeypatch.setattr("orin.device.capabilities.is_tegra", lambda root="/": tegra)
+    assert plan_profile("auto").name == want and plan_profile("hopper").name == "hopper"
+
+
+def test_the_demos_plan_uses_this_machines_arithmetic(tiny_model_dir, monkeypatch):
+    """`make demo`'s own plan on a CPU machine: the CPU's arithmetic (no runtime margin, float32 as the engine
+    computes there) fits the 64 MiB the demo serves at; planning for the board says it is the board's."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("orin.device.capabilities.is_tegra", lambda root="/": False)
+    args = ["plan", tiny_model_dir, "--budget", "64MiB", "--audio-seconds", "30"]
+    here = CliRunner().invoke(cli, args)
+    assert here.exit_code == 0, here.output
+    first = here.output.splitlines()[1]
+    assert first == "planned for device profile cpu (this machine's; --device-profile orin plans for the board)"
+    assert "budget 64.00 MiB: fits all-resident" in here.output and "+ 0 B runtime margin" in here.output
+    board = CliRunner().invoke(cli, [*args, "--device-profile", "orin"])
+    assert board.output.splitlines()[1] == "planned for device profile orin (--device-profile)"
+    assert "budget 64.00 MiB: does not fit" in board.output and "+ 768.00 MiB runtime margin" in board.output
+    # float32 on the CPU: the BF16 parts' resident bytes are twice the board's.
+    cpu = make_plan(PlanConfig(model=tiny_model_dir, device_profile="cpu")).sizes.components["audio_encoder"]
+    orin = make_plan(PlanConfig(model=tiny_model_dir, device_profile="orin")).sizes.components["audio_encoder"]
+    assert cpu.runtime_int4_bytes == 2 * orin.runtime_int4_bytes

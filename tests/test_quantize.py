@@ -18,7 +18,7 @@ from orin.checkpoint.gptq_format import dequantize_gptq_v1
 from orin.checkpoint.manifest import read_manifest, verify_files
 from orin.checkpoint.targets import QuantSpec, find_targets
 from orin.errors import ChecksumError
-from quantize.pipeline import QuantConfig, run_quantize
+from quantize.pipeline import LOCK_NAME, QuantConfig, run_quantize
 from quantize.report import load_report
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -81,6 +81,7 @@ def test_both_segments_are_written_and_verified(quantized_dir, tiny_model_dir):
     assert keys["thinker.model.visual.blocks.0.mlp.linear_fc2.weight"] == "BF16"
     assert not any("linear_fc2" in e for e in qc["modules_in_block_to_quantize"][0])
     assert not list(out.glob(".*.tmp")) and not [p for p in out.iterdir() if p.is_dir()]
+    assert not (out / LOCK_NAME).exists()  # the run's lock goes with the run
 
 
 def test_segment_files_hold_exactly_their_components(quantized_dir, tiny_model_dir):
@@ -206,7 +207,7 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
     monkeypatch.setattr(sequential.StackQuantizer, "run", killed)
     with pytest.raises(KeyboardInterrupt):
         run_quantize(cfg)
-    assert read_manifest(out).finished == ("thinker",)
+    assert read_manifest(out).finished == ("thinker",) and not (out / LOCK_NAME).exists()
     assert not (out / SHARDS["talker_vision"]).exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {SHARDS["thinker"]}
@@ -215,7 +216,7 @@ def test_resume_after_a_kill_skips_the_finished_segment(tiny_model_dir, tmp_path
 
     monkeypatch.setattr(sequential.StackQuantizer, "run", real_run)
     m = run_quantize(cfg)
-    assert m.finished == ("thinker", "talker_vision")
+    assert m.finished == ("thinker", "talker_vision") and not (out / LOCK_NAME).exists()
     assert before == (shard.stat().st_ino, shard.stat().st_mtime_ns)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(SHARDS.values())

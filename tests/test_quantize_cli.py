@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from orin.checkpoint.manifest import read_manifest, remove_segment_entry
 from orin.cli import cli
+from quantize.pipeline import LOCK_NAME
 
 
 def _run(*args):
@@ -126,6 +127,7 @@ def test_bad_calibration_entries(half_done, tiny_model_dir, tmp_path, line, matc
     calib.write_text(line + "\n")
     result = _run(tiny_model_dir, "--out", half_done, "--calib", calib)
     assert result.exit_code == 1 and f"{calib}:1" in result.output and match in result.output
+    assert not (half_done / LOCK_NAME).exists()  # a run that stops on bad input takes its lock with it
 
 
 def test_calibration_without_images_cannot_calibrate_the_vision_encoder(half_done, tiny_model_dir, tmp_path):
@@ -185,3 +187,19 @@ def test_unavailable_device_is_a_usage_error(tiny_model_dir, tmp_path):
         result = _run(tiny_model_dir, "--out", tmp_path / "out", "--device", "cuda")
         assert result.exit_code == 2 and "no CUDA GPU" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_one_run_per_out_and_no_lock_left(tmp_path):
+    from orin.errors import UsageError
+    from quantize.pipeline import _exclusive
+
+    out = tmp_path / "q"
+    with _exclusive(out):
+        assert (out / LOCK_NAME).exists()
+        with pytest.raises(UsageError, match="another orin-omni quantize is writing"), _exclusive(out):
+            pass
+        assert (out / LOCK_NAME).exists()  # the refused run leaves the holder's lock alone
+    assert not (out / LOCK_NAME).exists()
+    with pytest.raises(RuntimeError), _exclusive(out):
+        raise RuntimeError("a failed run")
+    assert list(out.iterdir()) == []

@@ -37,7 +37,9 @@ def test_progress_without_a_terminal_prints_a_line_every_ten_percent():
         now[0] += 10.0  # each item takes 10 s
     lines = stream.getvalue().splitlines()
     assert [int(line.split("%")[0].split()[-1]) for line in lines] == [4, 12, 20, 33, 41, 50, 62, 70, 83, 91, 100]
-    assert lines[0] == "thinker pass:   4% (1/24), 0:10 elapsed, about 3:50 left"
+    # no estimate from the first item alone (it pays for warm-up); then the pace from the items after it
+    assert lines[0] == "thinker pass:   4% (1/24), 0:10 elapsed"
+    assert lines[1] == "thinker pass:  12% (3/24), 0:30 elapsed, about 3:30 left"
     assert lines[5] == "thinker pass:  50% (12/24), 2:00 elapsed, about 2:00 left"
     assert lines[-1] == "thinker pass: 100% (24/24) in 4:00"
 
@@ -57,11 +59,27 @@ def test_progress_without_a_terminal_prints_a_line_every_ten_percent():
 
 
 def test_progress_on_a_terminal_is_a_bar_with_the_time_left():
-    stream = io.StringIO()
-    for _ in Progress(enabled=True, stream=stream).track(["a", "b", "c"], desc="thinker pass", unit="conversation"):
-        pass
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress(enabled=True, stream=stream, clock=lambda: now[0])
+    for _ in progress.track(list("abcde"), desc="thinker pass", unit="conversation"):
+        now[0] += 30.0
     out = stream.getvalue()
-    assert "thinker pass" in out and "3/3" in out and "<" in out and "conversation" in out
+    assert "thinker pass" in out and "5/5" in out and "conversation" in out
+    # the same estimate as the plain lines: 3 of 5 done, the two after the first at 30 s each, two to go
+    assert "about 1:00 left" in out and "<" not in out
+
+
+def test_the_time_left_holds_steady_after_a_slow_first_item():
+    from quantize.progress import TimeLeft
+
+    left, now, estimates = TimeLeft(initial=0, start=0.0), 0.0, []
+    for done in range(1, 21):
+        now += 600.0 if done == 1 else 60.0  # the first layer reads its weights cold: ten times slower
+        estimates.append(left.seconds(done, 20, now))
+    assert estimates[:2] == [None, None] and estimates[-1] is None  # too little known; then nothing left
+    # every estimate names the same finish time, where the first item's pace would have shrunk it step by step
+    finishes = {round(600.0 + 60.0 * (i - 1) + s) for i, s in enumerate(estimates, 1) if s is not None}
+    assert finishes == {600 + 60 * 19}
 
 
 # ---------------------------------------------------------------------- empty replies in the speech pass

@@ -247,10 +247,15 @@ def test_a_resumed_stack_estimates_the_time_left_from_this_run_only():
     from quantize.progress import Progress
 
     stream, now = io.StringIO(), [0.0]
-    with Progress(enabled=False, stream=stream, every=25, clock=lambda: now[0]).bar(8, "GPTQ x", initial=4) as bar:
+    with Progress(enabled=False, stream=stream, every=10, clock=lambda: now[0]).bar(8, "GPTQ x", initial=4) as bar:
         now[0] += 60.0
-        bar.update(1)  # the first layer of this run took a minute
-    assert stream.getvalue().splitlines()[0] == "GPTQ x:  62% (5/8), 1:00 elapsed, about 3:00 left"
+        bar.update(1)  # the first layer of this run took a minute (warm-up)
+        for _ in range(2):
+            now[0] += 30.0
+            bar.update(1)
+    assert stream.getvalue().splitlines()[:3] == ["GPTQ x:  62% (5/8), 1:00 elapsed",
+                                                  "GPTQ x:  75% (6/8), 1:30 elapsed",
+                                                  "GPTQ x:  87% (7/8), 2:00 elapsed, about 0:30 left"]
 
 
 # ---------------------------------------------------------------------- the synthetic BF16 checkpoint

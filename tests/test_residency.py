@@ -43,7 +43,7 @@ def test_a_background_load_only_displaces_what_the_request_needs_no_more():
 
 
 def _steady(real_config, budget):
-    result = make_plan(PlanConfig(model=real_config, budget=budget))
+    result = make_plan(PlanConfig(model=real_config, budget=budget, device_profile="orin"))
     first, steady = result.stream[0], result.stream[-1]
     moved = {}
     for m in steady:
@@ -79,9 +79,9 @@ def test_all_resident_moves_nothing_after_the_first_request(real_config):
 
 @pytest.mark.parametrize("budget", ["18GiB", "20GiB"])
 def test_cli_plan_prints_the_steady_state(real_config, budget):
-    res = CliRunner().invoke(cli, ["plan", real_config, "--budget", budget])
+    res = CliRunner().invoke(cli, ["plan", real_config, "--device-profile", "orin", "--budget", budget])
     assert res.exit_code == 0, res.output
     assert "a stream of such requests loads" in res.output and "per request in the steady state" in res.output
-    data = CliRunner().invoke(cli, ["plan", real_config, "--budget", budget, "--json"])
+    data = CliRunner().invoke(cli, ["plan", real_config, "--device-profile", "orin", "--budget", budget, "--json"])
     stream = json.loads(data.output)["stream"]
     assert len(stream) == 3 and stream[-1]["bytes_loaded"] < stream[0]["bytes_loaded"]

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from orin.cli import cli
 from orin.errors import ModelError, ServiceError, UsageError
 from orin.service.access import NEW_SYSTEM_USER, AccessProblem, access_problems, model_access_problems
-from orin.service.install import InstallConfig, check_access, install_service, plan_install
+from orin.service.install import InstallConfig, check_access, choose_platform, install_service, plan_install
 from orin.service.record import record_path
 from orin.service.uninstall import UninstallConfig, plan_uninstall, uninstall_service
 from orin.service.unit import (
@@ -160,6 +160,67 @@ def test_installed_files_verify_cleanly(analyze_root, tmp_path, model_dir):
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
     assert analyze(analyze_root, unit_text, "installed") <= EXPOSURE_LIMIT
+
+
+def _doc_block(containing: str) -> str:
+    blocks = re.findall(r"```sh\n(.*?)```", (REPO / "docs/service.md").read_text(), re.S)
+    return next(b for b in blocks if containing in b)
+
+
+def _host_units() -> Path:
+    path = Path("/usr/lib/systemd/system")
+    if shutil.which("systemd-analyze") is None or not (path / "sysinit.target").exists():
+        pytest.skip("systemd-analyze or /usr/lib/systemd/system/sysinit.target missing")
+    return path
+
+
+def _staged_board_image(tmp_path: Path, model_dir: Path, *options: str) -> Path:
+    """The staging example of docs/service.md: jetson options, a bare --root, no --platform."""
+    result = CliRunner().invoke(
+        cli, ["install-service", "--root", str(tmp_path / "board-rootfs"), "--model-dir", str(model_dir), *options]
+    )
+    assert result.exit_code == 0, result.output
+    return tmp_path / "board-rootfs/etc/systemd/system/qwen3-omni.service"
+
+
+@pytest.mark.parametrize(
+    ("options", "missing"),
+    [
+        (("--power-mode", "MAXN", "--jetson-clocks"), "/usr/sbin/nvpmodel"),
+        (("--jetson-clocks",), "/usr/bin/jetson_clocks"),
+    ],
+)
+def test_off_the_board_verify_says_only_what_docs_say(tmp_path, model_dir, options, missing):
+    """docs/service.md: off the board, verify names the missing L4T tool and nothing else."""
+    _host_units()
+    if Path(missing).exists():
+        pytest.skip(f"{missing} exists here: this is not 'off the board'")
+    unit = _staged_board_image(tmp_path, model_dir, *options)
+    verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 1
+    assert (verify.stdout + verify.stderr).strip() == (
+        f"qwen3-omni.service: Command {missing} is not executable: No such file or directory"
+    )
+
+
+def test_the_docs_stubbed_verify_of_a_staged_image_prints_nothing(tmp_path, model_dir):
+    """The scratch-root recipe of docs/service.md, run as written, on the docs' staging example."""
+    _host_units()
+    script = resolve_exec_start()
+    if len(script) != 1:
+        pytest.skip("no orin-omni console script beside this interpreter")
+    unit = _staged_board_image(tmp_path, model_dir, "--budget", "24GiB", "--power-mode", "MAXN", "--jetson-clocks")
+    assert "ExecStartPre=+/usr/bin/jetson_clocks" in unit.read_text()
+    env = {**os.environ, "PATH": f"{Path(script[0]).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(
+        ["bash", "-c", _doc_block("systemd-analyze verify --root")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout + run.stderr == "", run.stdout + run.stderr
+    # ...and it can fail: without the nvpmodel stand-in the same recipe complains.
+    broken = _doc_block("systemd-analyze verify --root").replace("/usr/sbin/nvpmodel ", "")
+    run = subprocess.run(["bash", "-c", broken], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "/usr/sbin/nvpmodel is not executable" in run.stdout + run.stderr
 
 
 # ----------------------------------------------------------------------------------------------- rendering
@@ -454,7 +515,7 @@ def test_differing_unit_is_refused_without_force_and_kept_as_bak_with_it(tmp_pat
     unit = root / "etc/systemd/system/qwen3-omni.service"
     edited = unit.read_text().replace("CPUQuota=600%", "CPUQuota=200%")
     unit.write_text(edited)
-    with pytest.raises(ServiceError, match="refusing to overwrite .*qwen3-omni.service.*--force"):
+    with pytest.raises(ServiceError, match="(?s)refusing to overwrite .*qwen3-omni.service.*--force rewrites only"):
         install(model_dir, root)
     assert unit.read_text() == edited
     assert not Path(f"{unit}.bak").exists()
@@ -565,6 +626,45 @@ def test_staged_jetson_install_uses_the_roots_groups_and_devices(tmp_path, model
     assert plan.unit.jetson_clocks_bin == "/usr/bin/jetson_clocks"
 
 
+def test_bare_staging_root_with_jetson_options_renders_for_a_jetson_and_says_why(tmp_path, model_dir):
+    lines: list[str] = []
+    plan = install(model_dir, tmp_path / "bare", lines, power_mode="MAXN")
+    assert plan.unit.platform == "jetson"
+    assert plan.unit.devices == JETSON_DEVICES
+    assert any(line.startswith("note: rendering for a Jetson because of --power-mode:") for line in lines)
+    # Without a Jetson-only option the bare root stays discrete, silently.
+    lines.clear()
+    assert install(model_dir, tmp_path / "plain", lines).unit.platform == "discrete"
+    assert not any("rendering for a Jetson" in line for line in lines)
+
+
+def test_platform_choice_keeps_what_was_said_or_seen(monkeypatch):
+    notes: list[str] = []
+    # Asked for: kept (validate_unit then refuses discrete + --power-mode).
+    said = InstallConfig(model_dir="/m", root="/stage", platform="discrete", power_mode="MAXN")
+    assert choose_platform(said, notes) == "discrete"
+    # The running system: its detection stands, even with --jetson-clocks.
+    monkeypatch.setattr("orin.service.install.detect_platform", lambda _root: "discrete")
+    assert choose_platform(InstallConfig(model_dir="/m", root="/", jetson_clocks=True), notes) == "discrete"
+    assert notes == []
+
+
+def test_cli_staging_example_needs_no_platform_option(tmp_path, model_dir):
+    root = tmp_path / "board-rootfs"
+    result = CliRunner().invoke(
+        cli,
+        ["install-service", "--root", str(root), "--model-dir", str(model_dir), "--budget", "24GiB",
+         "--power-mode", "MAXN", "--jetson-clocks"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "rendering for a Jetson because of --power-mode and --jetson-clocks" in result.output
+    unit = directives((root / "etc/systemd/system/qwen3-omni.service").read_text())
+    assert [line for line in unit if line.startswith("ExecStartPre=")] == [
+        "ExecStartPre=+/usr/sbin/nvpmodel -m 0",
+        "ExecStartPre=+/usr/bin/jetson_clocks",
+    ]
+
+
 # --------------------------------------------------------------------------- the real-root plan (never applied)
 
 
@@ -651,6 +751,10 @@ def test_cli_power_mode_on_discrete_is_a_usage_error(tmp_path, model_dir):
     )  # fmt: skip
     assert result.exit_code == 2
     assert "only apply to a Jetson" in result.output
+    # The usage shown is the subcommand's, not the group's.
+    assert re.search(r"^Usage: \S+ install-service \[OPTIONS\]$", result.output, re.M), result.output
+    assert "COMMAND [ARGS]" not in result.output
+    assert re.search(r"Try '\S+ install-service (-h|--help)' for help", result.output), result.output
 
 
 def test_cli_missing_model_dir_is_a_clear_error(tmp_path):
@@ -665,9 +769,24 @@ def test_cli_refuses_a_differing_unit(tmp_path, model_dir):
     runner = CliRunner()
     base = ["install-service", "--model-dir", str(model_dir), "--root", str(tmp_path / "r")]
     assert runner.invoke(cli, base).exit_code == 0
+    # What the user made beside the recorded files: --force must leave it.
+    dropin = tmp_path / "r/etc/systemd/system/qwen3-omni.service.d/override.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[Service]\nCPUQuota=300%\n")
+    env = tmp_path / "r/etc/orin-omni/qwen3-omni.env"
+    before = env.read_text()
     result = runner.invoke(cli, [*base, "--port", "9001"])
-    assert result.exit_code == 1 and "--force" in result.output
-    assert runner.invoke(cli, [*base, "--port", "9001", "--force"]).exit_code == 0
+    assert result.exit_code == 1
+    out = result.output
+    assert "  -ORIN_OMNI_PORT=8000\n  +ORIN_OMNI_PORT=9001\n" in out  # what differs
+    assert "--force rewrites only the files install-service records" in out
+    assert "it leaves the service user orin-omni, /var/lib/qwen3-omni, /var/cache/qwen3-omni, drop-ins in" in out
+    assert "systemctl restart qwen3-omni applies the change" in out
+    assert env.read_text() == before
+    forced = runner.invoke(cli, [*base, "--port", "9001", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert Path(f"{env}.bak").read_text() == before and "ORIN_OMNI_PORT=9001" in env.read_text()
+    assert dropin.read_text() == "[Service]\nCPUQuota=300%\n"
 
 
 def test_cli_dry_run(tmp_path, model_dir):

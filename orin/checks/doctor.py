@@ -175,10 +175,19 @@ def l4t_release(root: str) -> str | None:
 # ------------------------------------------------------------------ the service
 
 
+def orin_omni_program() -> str:
+    """The orin-omni to name in a command run with sudo: the console script beside this interpreter (sudo's
+    secure_path leaves a venv's bin out), else the bare name."""
+    beside = Path(sys.executable).parent / "orin-omni"
+    return str(beside) if beside.is_file() else "orin-omni"
+
+
 def install_command(cfg: DoctorConfig, model_dir: str | None, user: str) -> str:
+    """The install-service command for what doctor checked: sudo and the full program path at /, the staging
+    --root elsewhere (no privileges needed there)."""
     at_root = _is_root_fs(cfg.root)
-    argv = ["sudo"] if at_root else []
-    argv += ["orin-omni", "install-service", "--model-dir", model_dir or "DIR"]
+    argv = ["sudo", orin_omni_program()] if at_root else ["orin-omni"]
+    argv += ["install-service", "--model-dir", model_dir or "DIR"]
     if cfg.name != DEFAULT_NAME:
         argv += ["--name", cfg.name]
     if user != DEFAULT_USER:
@@ -213,10 +222,12 @@ def check_unit(cfg: DoctorConfig, installed: Installed, model_dir: str | None, u
     """Installed, enabled and active: systemctl is asked only on the live system with systemd as PID 1;
     elsewhere the files say whether it is enabled, and whether it is active cannot be known."""
     unit_name = f"{cfg.name}.service"
-    if installed.unit_text is None:
-        return [Check("service unit", FAIL, f"{installed.unit} not found", install_command(cfg, model_dir, user)),
-                Check("service enabled", SKIP, "no unit installed"),
-                Check("service active", SKIP, "no unit installed")]
+    if installed.unit_text is None:  # nothing to check yet: not a failure of a setup that has not installed one
+        command = install_command(cfg, model_dir, user)
+        why = f"no unit installed yet ({installed.unit}): run `{command}`"
+        return [Check("service unit", SKIP, why, command),
+                Check("service enabled", SKIP, "no unit installed yet"),
+                Check("service active", SKIP, "no unit installed yet")]
     serves = installed.env.get("ORIN_OMNI_MODEL_DIR")
     detail = f"{installed.unit}, {_unit_origin(installed, installed.unit_text)}"
     if serves:
@@ -238,14 +249,13 @@ def check_unit(cfg: DoctorConfig, installed: Installed, model_dir: str | None, u
             checks.append(Check("service active", FAIL, f"systemctl is-active: {state}",
                                 f"sudo systemctl start {unit_name}; journalctl -u {cfg.name} -e shows why it stopped"))
         return checks
+    why = f"--root is {cfg.root}, not /" if not _is_root_fs(cfg.root) else "systemd is not PID 1 here"
     wants = under_root(cfg.root, f"{UNIT_DIR}/multi-user.target.wants/{unit_name}")
     if wants.exists() or wants.is_symlink():
         checks.append(Check("service enabled", PASS, f"{wants} exists"))
-    else:
-        enable = f"sudo systemctl enable {unit_name}" if _is_root_fs(cfg.root) else \
-            f"systemctl --root {shlex.quote(cfg.root)} enable {unit_name}"
-        checks.append(Check("service enabled", FAIL, f"{wants} missing", enable))
-    why = f"--root is {cfg.root}, not /" if not _is_root_fs(cfg.root) else "systemd is not PID 1 here"
+    else:  # install-service enables only where systemd runs: a staged unit is not enabled, and not broken
+        checks.append(Check("service enabled", SKIP, f"{wants} missing: {why}, so install-service did not enable "
+                            f"it; on the board it runs `systemctl enable {unit_name}` itself"))
     checks.append(Check("service active", SKIP, f"{why}: cannot ask systemctl"))
     return checks
 
@@ -300,7 +310,7 @@ def _budget(cfg: DoctorConfig, installed: Installed) -> tuple[int, str | None]:
 
 def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: str, budget: int, torch,
                   interpreter: str, profile: DeviceProfile) -> list[Check]:
-    model_check, manifest = check_model_dir(model_dir, source, _is_root_fs(cfg.root))
+    model_check, manifest = check_model_dir(model_dir, source)
     checks = [model_check]
     meminfo = read_meminfo(cfg.proc_root)
     if manifest is None:
@@ -315,7 +325,7 @@ def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: s
             plan, plan_error = _plan(model_dir, manifest, budget, profile), None
         except OrinError as exc:
             plan, plan_error = None, str(exc)
-        checks.append(check_memory(meminfo, plan, budget, plan_error, model_dir))
+        checks.append(check_memory(meminfo, plan, budget, plan_error, model_dir, profile.name))
     checks.append(check_disk(model_dir))
     checks.append(check_access(model_dir, user, interpreter))
     return checks

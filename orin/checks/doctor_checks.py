@@ -295,33 +295,44 @@ def read_meminfo(proc_root: str) -> dict[str, int]:
     return out
 
 
-def check_memory(meminfo: dict[str, int], plan, budget: int, plan_error: str | None, model_dir: str | None) -> Check:
+def plan_command(model_dir: str, budget: int, profile: str) -> str:
+    """The `orin-omni plan` command that sizes what doctor sized: same budget, same device profile."""
+    import shlex
+
+    return shlex.join(["orin-omni", "plan", model_dir, "--budget", size_text(budget), "--device-profile", profile])
+
+
+def check_memory(meminfo: dict[str, int], plan, budget: int, plan_error: str | None, model_dir: str | None,
+                 profile: str = "auto") -> Check:
     """The machine's memory against what the planner says the standard request needs at the budget (on a Jetson
-    the GPU shares this DRAM)."""
+    the GPU shares this DRAM). `profile`: the device profile doctor planned with, named in the fixes."""
     total, available = meminfo.get("MemTotal"), meminfo.get("MemAvailable")
     if total is None or available is None:
         return Check("memory", SKIP, "no MemTotal/MemAvailable in meminfo (not Linux?)")
     have = f"{format_bytes(available)} available of {format_bytes(total)}"
     if model_dir is None:
         return Check("memory", SKIP, f"{have}; no model directory to size against")
+    plan_cmd = plan_command(model_dir, budget, profile)
     if plan is None:
         return Check("memory", FAIL, f"{have}; the planner cannot size {model_dir}: {plan_error}",
-                     f"orin-omni plan {model_dir} --budget {size_text(budget)} shows why")
+                     f"{plan_cmd} shows why")
     verdict = plan.verdict
     need = verdict.peak_bytes
-    plan_cmd = f"orin-omni plan {model_dir} --budget BUDGET"
     if not verdict.time_sliced:
         return Check("memory", FAIL, f"the standard request at budget {format_bytes(budget)}: {verdict.reason}",
-                     f"raise --budget (the budget install-service was given); `{plan_cmd}` shows what fits")
+                     f"raise --budget to at least {size_text(-(-verdict.min_budget // (1 << 20)) << 20)} (the budget "
+                     f"install-service was given); `{plan_cmd}` shows what fits")
     mode = "all-resident" if verdict.all_resident else "time-sliced"
-    needs = f"the standard request needs {format_bytes(need)} at budget {format_bytes(budget)} ({mode})"
+    needs = (f"the standard request needs {format_bytes(need)} at budget {format_bytes(budget)} ({mode}, device "
+             f"profile {plan.profile.name})")
     if need > total:
         return Check("memory", FAIL, f"{needs}, more than this machine's {format_bytes(total)}",
-                     f"lower the budget until it time-slices within {format_bytes(total)}: `{plan_cmd}`")
+                     f"lower the budget until it time-slices within {format_bytes(total)}: `{plan_cmd}` with a "
+                     "smaller --budget")
     if need > available:
         return Check("memory", FAIL, f"{needs}, but only {format_bytes(available)} is available now",
                      "stop other programs holding memory (a running orin-omni counts: stop it to check a new "
-                     f"setup), or lower the budget: `{plan_cmd}`")
+                     f"setup), or lower the budget: `{plan_cmd}` with a smaller --budget")
     return Check("memory", PASS, f"{needs}; {have}")
 
 
@@ -337,9 +348,9 @@ def check_disk(model_dir: str) -> Check:
     return Check("disk", PASS, detail)
 
 
-def check_model_dir(model_dir: str | None, source: str, live: bool):
-    """(the check, the manifest or None). `live`: checking the real system, where a model under /tmp is one
-    the service cannot see (PrivateTmp); on a staging root that is only a warning, as in install-service."""
+def check_model_dir(model_dir: str | None, source: str):
+    """(the check, the manifest or None). A model under /tmp serves by hand but not as the service (PrivateTmp
+    hides it, and install-service refuses it at /): a warning on a pass, the same whichever way doctor is run."""
     from ..checkpoint.manifest import read_manifest
     from ..service.unit import TMP_ROOTS, is_under
 
@@ -358,11 +369,9 @@ def check_model_dir(model_dir: str | None, source: str, live: bool):
     detail = f"{model_dir} ({source}): {manifest.model_name}, segments {', '.join(manifest.finished) or 'none'}"
     real = os.path.realpath(model_dir)
     if is_under(real, TMP_ROOTS):
-        hidden = f"{real} is under /tmp or /var/tmp, which the service replaces with a private one (PrivateTmp)"
-        if live:
-            return Check("model dir", FAIL, hidden, f"move it, e.g. sudo mv {real} /opt/models/, and pass "
-                         "that --model-dir"), manifest
-        detail += f"; warning: on the board, {hidden}"
+        detail += (f"; warning: {real} is under /tmp or /var/tmp, which the service replaces with a private one "
+                   f"(PrivateTmp), so install-service refuses it; for the service, move it: sudo mkdir -p "
+                   f"/opt/models && sudo mv {real} /opt/models/")
     return Check("model dir", PASS, detail), manifest
 
 

@@ -226,7 +226,8 @@ def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int = OUTPUT_SAM
 # ------------------------------------------------------------------------------------------------ images
 
 
-def _sniff_image(head: bytes) -> str | None:
+def sniff_image(head: bytes) -> str | None:
+    """The image format from its magic bytes (the first 16 are enough), or None."""
     if head[:8] == b"\x89PNG\r\n\x1a\n":
         return "PNG"
     if head[:3] == b"\xff\xd8\xff":
@@ -244,6 +245,37 @@ def _sniff_image(head: bytes) -> str | None:
     return None
 
 
+# The opening of a PNG, JPEG or WebP file once base64-encoded: bytes sent encoded twice.
+_BASE64_IMAGE = (b"iVBORw0KGgo", b"/9j/", b"UklGR")
+
+
+def describe_bytes(data: bytes) -> str | None:
+    """What bytes that are not an image look like, where that can be told: "text", "WAV audio", "a PDF
+    document"; None where they are binary and unknown."""
+    head = data[:16]
+    audio = _sniff_audio(head)
+    if audio in ("MP4/M4A", "WebM/Matroska"):
+        return f"{audio} (a video or audio container); send a video as a video part"
+    if audio is not None:
+        return f"{audio} audio"
+    if head.startswith(b"%PDF"):
+        return "a PDF document"
+    if head[:2] == b"PK":
+        return "a ZIP archive"
+    try:
+        text = data[:4096].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # a prefix may end inside a character: only an error before the last few bytes means binary
+        if exc.start < min(len(data), 4096) - 3:
+            return None
+        text = data[: exc.start].decode("utf-8")
+    if text and all(ch.isprintable() or ch in "\t\n\r\f" for ch in text):
+        if text.lstrip().encode().startswith(_BASE64_IMAGE):
+            return "an image base64-encoded twice; encode it once"
+        return "text"
+    return None
+
+
 def load_image(src: Source, *, max_pixels: int = DEFAULT_MAX_PIXELS, name: str | None = None,
                max_bytes: int = DEFAULT_MAX_BYTES) -> Image.Image:
     """Decode a PNG, JPEG or WebP (a path or the file's bytes) to an RGB image, upright per its EXIF
@@ -251,10 +283,13 @@ def load_image(src: Source, *, max_pixels: int = DEFAULT_MAX_PIXELS, name: str |
     `max_pixels` before any pixel is decoded, so a decompression bomb costs nothing."""
     label = _label(src, name, "image")
     data = _read_source(src, label, "image", max_bytes)
-    fmt = _sniff_image(data[:16])
-    if fmt not in IMAGE_FORMATS:
-        found = f"{fmt} images are" if fmt else "this is not an image format that is"
-        raise InputError(f"{label}: {found} not supported; send PNG, JPEG or WebP")
+    fmt = sniff_image(data[:16])
+    if fmt is not None and fmt not in IMAGE_FORMATS:
+        raise InputError(f"{label}: {fmt} images are not supported; send PNG, JPEG or WebP")
+    if fmt is None:
+        looks = describe_bytes(data)
+        raise InputError(f"{label}: not an image: PNG, JPEG or WebP expected"
+                         + (f" (the bytes look like {looks})" if looks else ""))
     try:
         # Only the sniffed format's parser runs, so no other plugin ever sees untrusted bytes.
         image = Image.open(io.BytesIO(data), formats=[fmt])

@@ -164,6 +164,10 @@ def load_video(src: Source, opts: VideoOptions = VideoOptions(), *, name: str | 
     label = name or ("video bytes" if isinstance(src, (bytes, bytearray, memoryview)) else str(src))
     container = _open(src, label, opts.max_bytes)
     try:
+        fmt = container.format.name if container.format is not None else ""
+        if fmt == "image2" or fmt.endswith("_pipe"):  # FFmpeg opens a PNG or JPEG as a one-frame "video"
+            raise InputError(f"{label} is a still image ({still_image_kind(src, fmt)}), not a video; send it as an "
+                             "image")
         return _decode(container, label, opts)
     except av.error.FFmpegError as exc:
         raise InputError(f"{label}: corrupt or truncated video ({_why(exc)})") from exc
@@ -171,12 +175,22 @@ def load_video(src: Source, opts: VideoOptions = VideoOptions(), *, name: str | 
         container.close()
 
 
+def still_image_kind(src: Source, fmt: str) -> str:
+    """The format a still image sent as a video is in, named alike for a path and for bytes: FFmpeg calls a JPEG
+    file `image2` and JPEG bytes `jpeg_pipe`, so its own bytes decide, FFmpeg's name only where they cannot."""
+    from .media import sniff_image
+
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        head = bytes(src[:16])
+    else:
+        with open(src, "rb") as fh:
+            head = fh.read(16)
+    return sniff_image(head) or fmt.removesuffix("_pipe").upper()
+
+
 def _decode(container, label: str, opts: VideoOptions) -> Video:
     import av
 
-    fmt = container.format.name if container.format is not None else ""
-    if fmt == "image2" or fmt.endswith("_pipe"):  # FFmpeg opens a PNG or JPEG as a one-frame "video"
-        raise InputError(f"{label} is a still image ({fmt.removesuffix('_pipe')}), not a video; send it as an image")
     if not container.streams.video:
         kind = "an audio-only file" if container.streams.audio else "no video stream"
         raise InputError(f"{label} has no video stream ({kind}); send audio as an audio part, or a video file")

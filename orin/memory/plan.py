@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .. import components as C
 from ..checkpoint.targets import QuantSpec
 from ..contract import Stage
-from ..device.profile import DeviceProfile, named
+from ..device.profile import CPU, ORIN, DeviceProfile, for_arch, named
 from ..errors import BudgetError
 from ..units import format_bytes
 from .model_sizes import ModelSizes, size_model
@@ -38,7 +38,8 @@ class PlanConfig:
     quantize_code2wav: bool = False
     quantize_vision: bool = True
     # The device the plan is for (orin.device.profile): its tuning numbers size the working memory and margin.
-    device_profile: str = "orin"
+    # "auto": this machine's kind, as the engine here would run (machine_profile); "orin" plans for the board.
+    device_profile: str = "auto"
 
 
 @dataclass
@@ -204,6 +205,32 @@ def plan_request(sizes: ModelSizes, req: Request, budget: int, profile: DevicePr
     return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, profile.memory.runtime_margin)
 
 
+def machine_profile(tegra: bool | None = None) -> DeviceProfile:
+    """This machine's base profile without probing: the GPU's kind where torch sees CUDA, the Orin's on a Jetson
+    whose CUDA is unusable (it is still planned as the board it is), else the CPU's. `tegra`: None looks at /."""
+    from ..device.capabilities import is_tegra
+
+    tegra = is_tegra() if tegra is None else tegra
+    try:
+        import torch
+    except ImportError:
+        return ORIN if tegra else CPU
+    if not torch.cuda.is_available():
+        return ORIN if tegra else CPU
+    return for_arch(cuda=True, capability=torch.cuda.get_device_capability(0), tegra=tegra)
+
+
+def plan_profile(name: str) -> DeviceProfile:
+    """The profile PlanConfig.device_profile names: "auto" is machine_profile()."""
+    return machine_profile() if name == "auto" else named(name)
+
+
+def compute_dtype_bytes(profile: DeviceProfile) -> int:
+    """Bytes of the engine's compute dtype on this kind of device: BF16 on CUDA, float32 on the CPU
+    (orin.runtime.engine), which sizes the BF16 weights, scales, KV caches and activations alike."""
+    return 2 if profile.capabilities.cuda else 4
+
+
 def make_plan(cfg: PlanConfig) -> PlanResult:
     from ..errors import UsageError
     from ..model.config import load_omni_config
@@ -216,10 +243,11 @@ def make_plan(cfg: PlanConfig) -> PlanResult:
     spec = QuantSpec(group_size=cfg.group_size, quantize_audio_encoder=cfg.quantize_audio_encoder,
                      quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav,
                      quantize_vision=cfg.quantize_vision)
-    profile = named(cfg.device_profile)
-    sizes = size_model(config, spec, segments)
+    profile = plan_profile(cfg.device_profile)
+    dtype_bytes = compute_dtype_bytes(profile)
+    sizes = size_model(config, spec, segments, dtype_bytes=dtype_bytes)
     req = request_from(cfg)
-    tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget, profile)
+    tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget, profile, dtype_bytes)
     stream = steady_state(sizes, kv, act, verdict, cfg.budget, profile.memory.runtime_margin)
     return PlanResult(cfg, sizes, req, tokens, kv, act, verdict, profile, stream=stream)
 
@@ -232,7 +260,8 @@ def require_fit(verdict: Verdict) -> None:
 
 def render_plan(result: PlanResult) -> str:
     j = result.to_json()
-    lines = [f"model: {result.cfg.model}   total parameters: {j['total_params']:,}", ""]
+    lines = [f"model: {result.cfg.model}   total parameters: {j['total_params']:,}",
+             f"planned for device profile {result.profile.name}{_profile_origin(result)}", ""]
     hdr = f"{'component':<22}{'params':>16}{'BF16':>12}{'INT4 file':>12}{'resident':>12}"
     lines += [hdr, "-" * len(hdr)]
     for name, c in result.sizes.components.items():
@@ -270,6 +299,15 @@ def render_plan(result: PlanResult) -> str:
         lines += _render_stream(result)
     lines += ["", result.profile.render()]
     return "\n".join(lines)
+
+
+def _profile_origin(result: PlanResult) -> str:
+    """Why this profile: named, or this machine's (auto), and how to plan for the board instead."""
+    if result.cfg.device_profile != "auto":
+        return " (--device-profile)"
+    if result.profile.name == "orin":
+        return " (this machine's)"
+    return " (this machine's; --device-profile orin plans for the board)"
 
 
 def _render_stream(result: PlanResult) -> list[str]:

@@ -231,7 +231,12 @@ class Engine:
             self._observer(event)
 
     def _settle_heap(self) -> None:
-        """After a request or idle captures that added CUDA graphs (orin.runtime.heap)."""
+        """After a request or idle captures that added CUDA graphs (orin.runtime.heap). Time-sliced, the decoders
+        re-capture whenever their weights move, at every request: the heap is frozen once, after the first, and
+        never collected at the end of a request, where the collection would hold the GIL from the next request's
+        background load."""
+        if self.heap.frozen and not self._kept_weights:
+            return
         self.heap.settle(self.decoders.capture_count() + self.thinker.encoder_graphs.captures
                          + self.vocoder_graphs.captures)
 

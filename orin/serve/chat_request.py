@@ -124,13 +124,24 @@ def _url_bytes(url: object, limits: Limits, param: str, max_bytes: int, what: st
     return raw
 
 
+def _decoder_refusal(exc: InputError, where: str) -> ApiError:
+    """A media decoder's refusal as a 400 naming the part at `where`, in its message and in `param` (decoders
+    name their input in most refusals, not in all: a video frame without area)."""
+    message = str(exc)
+    return bad_request(message if where in message else f"{where}: {message}", where)
+
+
 def _image(part: dict, limits: Limits, param: str, max_bytes: int):
     from ..inputs.media import load_image
 
+    where = f"{param}.image_url"
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
-    raw = _url_bytes(url, limits, f"{param}.image_url", max_bytes, "image", "data:image/png;base64,...")
-    return load_image(raw, max_pixels=limits.max_image_pixels)
+    raw = _url_bytes(url, limits, where, max_bytes, "image", "data:image/png;base64,...")
+    try:
+        return load_image(raw, max_pixels=limits.max_image_pixels, name=where)
+    except InputError as exc:
+        raise _decoder_refusal(exc, where) from exc
 
 
 def _fps(value: object, param: str) -> float:
@@ -169,9 +180,7 @@ def _video(part: dict, limits: Limits, param: str, max_bytes: int, defaults: Vid
     try:
         return load_video(raw, opts, name=where)
     except InputError as exc:
-        # load_video names the input in most refusals, not in all (a frame without area): the part is always named.
-        message = str(exc)
-        raise bad_request(message if where in message else f"{where}: {message}", where) from exc
+        raise _decoder_refusal(exc, where) from exc
 
 
 def _audio(part: dict, limits: Limits, param: str):
@@ -190,7 +199,11 @@ def _audio(part: dict, limits: Limits, param: str):
     if not raw:
         raise bad_request(f"{param}.input_audio.data is empty: send at least a fraction of a second of audio",
                           f"{param}.input_audio.data")
-    samples = load_audio(raw, target_sr=INPUT_SAMPLE_RATE, max_seconds=limits.max_audio_seconds)
+    where = f"{param}.input_audio.data"
+    try:
+        samples = load_audio(raw, target_sr=INPUT_SAMPLE_RATE, max_seconds=limits.max_audio_seconds, name=where)
+    except InputError as exc:
+        raise _decoder_refusal(exc, where) from exc
     samples = np.asarray(samples, dtype=np.float32)
     if samples.size == 0:
         raise bad_request(f"{param}.input_audio holds zero samples: send at least a fraction of a second of audio",
@@ -328,8 +341,8 @@ def _audio_param(data: dict, stream: bool, voices: tuple[str, ...]) -> tuple[str
 def parse_chat(data: dict, limits: Limits, voices: tuple[str, ...], *, max_bytes: int = 64 << 20,
                random_seed=lambda: secrets.randbits(31)) -> ChatRequest:
     """Validate a decoded request body and decode its media; `voices` are the talker's (orin.runtime.engine.Engine.voices).
-    Raises ApiError (protocol) or orin InputError (media the decoders refuse, a voice the model lacks); both are
-    the client's fault."""
+    Raises ApiError (protocol, and media the decoders refuse, naming the part) or orin InputError (a voice the
+    model lacks); both are the client's fault."""
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")

@@ -4,6 +4,7 @@ uninstall-service (orin.service.uninstall) remove exactly that."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import sys
@@ -95,6 +96,24 @@ class InstallPlan:
         return any(f.status != "unchanged" for f in (*self.files, self.record))
 
 
+def choose_platform(cfg: InstallConfig, notes: list[str]) -> str:
+    """--platform, else what --root shows. A staging root (an image being prepared on a workstation) often has no
+    L4T files to detect from; there --power-mode/--jetson-clocks say the target is a Jetson, so render for one
+    and say why. On the running system the detection stands: a wrong one is refused by validate_unit."""
+    if cfg.platform != "auto":
+        return cfg.platform
+    detected = detect_platform(cfg.root)
+    asked = (("--power-mode", cfg.power_mode), ("--jetson-clocks", cfg.jetson_clocks))
+    jetson_only = [option for option, given in asked if given]
+    if detected == "jetson" or not jetson_only or is_root_fs(cfg.root):
+        return detected
+    notes.append(
+        f"note: rendering for a Jetson because of {' and '.join(jetson_only)}: {cfg.root} has no "
+        "/etc/nv_tegra_release or /dev/nvmap to detect the platform from (pass --platform jetson to say so)"
+    )
+    return "jetson"
+
+
 def resolve_unit(cfg: InstallConfig) -> tuple[UnitConfig, tuple[str, ...]]:
     """Turn the command-line request into a UnitConfig by looking at the machine (or the staging root).
     Returns the config and notes worth printing."""
@@ -116,7 +135,7 @@ def resolve_unit(cfg: InstallConfig) -> tuple[UnitConfig, tuple[str, ...]]:
             notes.append(
                 f"warning: {api_key_file} is readable by every user: chmod o-r it (the service user only needs group read)"
             )
-    platform = detect_platform(cfg.root) if cfg.platform == "auto" else cfg.platform
+    platform = choose_platform(cfg, notes)
     at_root = is_root_fs(cfg.root)
     tools = {}
     for wanted, tool, default in (
@@ -235,6 +254,34 @@ def _file_status(root: str, target: str, content: str) -> str:
     return "unchanged" if same else "replace"
 
 
+def _changed_lines(root: str, action: FileAction, limit: int = 6) -> list[str]:
+    """The lines that differ between the file on disk and the one rendered, as -old/+new."""
+    try:
+        old = under_root(root, action.path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    new = action.content.splitlines()
+    # [2:] drops the ---/+++ file header; what is left is @@ hunk headers and the -/+ lines.
+    diff = [line for line in list(difflib.unified_diff(old, new, lineterm="", n=0))[2:] if line[:1] in "-+"]
+    return diff[:limit] + ([f"  ... {len(diff) - limit} more"] if len(diff) > limit else [])
+
+
+def _overwrite_refusal(root: str, unit: UnitConfig, conflicts: list[FileAction]) -> str:
+    """Why a rerun stops, and what --force would and would not touch, so rerunning with it is an informed choice."""
+    paths = [str(under_root(root, f.path)) for f in conflicts]
+    changes = [f"  {line}" for f in conflicts for line in _changed_lines(root, f)]
+    return "\n".join([
+        f"refusing to overwrite {', '.join(paths)}: {'it differs' if len(paths) == 1 else 'they differ'} from what "
+        "install-service renders (edited by hand, or installed with other options):",
+        *changes,
+        f"--force rewrites only the files install-service records ({unit.unit_path} and {unit.env_path}, "
+        "and its install record), keeping each replaced file as .bak;",
+        f"it leaves the service user {unit.user}, /var/lib/{unit.name}, /var/cache/{unit.name}, drop-ins in "
+        f"{unit.unit_path}.d/ and a running service as they are (systemctl restart {unit.name} applies the change).",
+        "Rerun with --force, or with --dry-run --force to see the new files first.",
+    ])
+
+
 def plan_install(cfg: InstallConfig, unit: UnitConfig, *, systemd_up: bool, notes: tuple[str, ...] = ()) -> InstallPlan:
     """Decide every change without making one. Raises ServiceError on an existing file that differs unless
     `cfg.force`, and on paths a real install would hide from the service."""
@@ -256,18 +303,11 @@ def plan_install(cfg: InstallConfig, unit: UnitConfig, *, systemd_up: bool, note
         notes_out.append(f"warning: on a real install {message}")
 
     files = []
-    conflicts = []
     for target, content in ((unit.env_path, render_env(unit)), (unit.unit_path, render_unit(unit))):
-        status = _file_status(root, target, content)
-        if status == "replace" and not cfg.force:
-            conflicts.append(str(under_root(root, target)))
-        files.append(FileAction(target, content, 0o644, status))
-    if conflicts:
-        raise ServiceError(
-            f"refusing to overwrite {', '.join(conflicts)}: {'it differs' if len(conflicts) == 1 else 'they differ'} "
-            "from what install-service renders "
-            "(edited by hand, or installed with other options); pass --force to replace it (the old file is kept as .bak)"
-        )
+        files.append(FileAction(target, content, 0o644, _file_status(root, target, content)))
+    conflicts = [f for f in files if f.status == "replace"]
+    if conflicts and not cfg.force:
+        raise ServiceError(_overwrite_refusal(root, unit, conflicts))
 
     previous = read_record(root, unit.name) or {}
     created = []
@@ -372,4 +412,4 @@ def install_service(cfg: InstallConfig, log: Callable[[str], None] = quiet) -> I
 
 
 __all__ = ["AccessCheck", "FileAction", "InstallConfig", "InstallPlan", "apply_install", "check_access",
-           "install_service", "plan_install", "resolve_unit"]
+           "choose_platform", "install_service", "plan_install", "resolve_unit"]
