@@ -31,6 +31,9 @@ def test_a_profile_is_named_and_a_wrong_name_says_which_exist():
 
 def test_the_cpu_engine_counts_its_tensors_exactly_and_gpus_keep_a_margin():
     assert CPU.memory.runtime_margin == 0
+    # the engine's dtype and plan's bytes per value come from one place
+    assert (CPU.compute_dtype, CPU.compute_dtype_bytes) == ("float32", 4)
+    assert all((p.compute_dtype, p.compute_dtype_bytes) == ("bfloat16", 2) for p in (HOPPER, ORIN, AMPERE))
     assert all(p.memory.runtime_margin > 0 for p in (HOPPER, ORIN, AMPERE))
 
 

@@ -199,6 +199,16 @@ class DeviceProfile:
     # The numbers in this profile that are assumptions, each with what carries it over (the Orin's).
     notes: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def compute_dtype(self) -> str:
+        """The engine's compute dtype (a torch dtype's name): BF16 on CUDA (the INT4 kernels take BF16), float32
+        on the CPU. It sizes the BF16 weights, scales, KV caches and activations alike, so `plan` reads it too."""
+        return "bfloat16" if self.capabilities.cuda else "float32"
+
+    @property
+    def compute_dtype_bytes(self) -> int:
+        return 2 if self.capabilities.cuda else 4
+
     def with_capabilities(self, **found) -> DeviceProfile:
         return replace(self, capabilities=replace(self.capabilities, **found))
 

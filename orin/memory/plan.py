@@ -225,12 +225,6 @@ def plan_profile(name: str) -> DeviceProfile:
     return machine_profile() if name == "auto" else named(name)
 
 
-def compute_dtype_bytes(profile: DeviceProfile) -> int:
-    """Bytes of the engine's compute dtype on this kind of device: BF16 on CUDA, float32 on the CPU
-    (orin.runtime.engine), which sizes the BF16 weights, scales, KV caches and activations alike."""
-    return 2 if profile.capabilities.cuda else 4
-
-
 def make_plan(cfg: PlanConfig) -> PlanResult:
     from ..errors import UsageError
     from ..model.config import load_omni_config
@@ -244,7 +238,7 @@ def make_plan(cfg: PlanConfig) -> PlanResult:
                      quantize_code_predictor=cfg.quantize_code_predictor, quantize_code2wav=cfg.quantize_code2wav,
                      quantize_vision=cfg.quantize_vision)
     profile = plan_profile(cfg.device_profile)
-    dtype_bytes = compute_dtype_bytes(profile)
+    dtype_bytes = profile.compute_dtype_bytes
     sizes = size_model(config, spec, segments, dtype_bytes=dtype_bytes)
     req = request_from(cfg)
     tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget, profile, dtype_bytes)

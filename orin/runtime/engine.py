@@ -72,10 +72,10 @@ class Engine:
         self.cfg = cfg
         self._observer = observer
         self.device = pick_device(cfg.device)
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         from ..device.capabilities import detect
 
-        self.profile = cfg.profile or detect(self.device, self.dtype)
+        self.profile = cfg.profile or detect(self.device)
+        self.dtype = getattr(torch, self.profile.compute_dtype)  # one decision: plan sizes with the same
         log.info("%s", self.profile.render().splitlines()[0])
         self.ckpt = Checkpoint.open(cfg.model_dir, verify=cfg.verify_checksums)
         self.config = self.ckpt.config
