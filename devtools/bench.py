@@ -3,19 +3,19 @@ through HF transformers' BF16 `generate(return_audio=True)` in one process, side
 
 The standard request is one user turn with an image, an audio clip and a short instruction, answered with a
 fixed number of text tokens and speech frames (EOS ignored on both sides, so both do the same work;
-orin.devtools.bench_config). Each all-resident engine (one per torch.compile setting) gets an unmeasured
+devtools.bench_config). Each all-resident engine (one per torch.compile setting) gets an unmeasured
 warm-up request first (kernels, the CUDA graphs) that is cancelled once its audio has met every code2wav chunk
-shape; its load time is reported separately (orin.devtools.bench_engine). The HF reference gets a short warm-up generate
-(orin.devtools.bench_hf).
+shape; its load time is reported separately (devtools.bench_engine). The HF reference gets a short warm-up generate
+(devtools.bench_hf).
 
 Figures per run: weight bytes, peak GPU memory (the allocator's peak during the request; weights included),
 time to first text token and first audio packet (from the request's start, preprocessing included), thinker
 decode tokens/s (the thinker's own step time) and the end-to-end decode rate, talker frames/s, energy per
 request (NVML's energy counter on a GPU), and swap seconds. `--synthetic` writes a random checkpoint at the
-config's dimensions first (orin.devtools.synthetic); the HF reference is built from the same config with random
-BF16 weights. On CUDA the kernel timings (orin.devtools.bench_kernels) and a torch.profiler pass over a short
-request record where the time goes; the targets and the table are orin.devtools.bench_report's, the AGX Orin
-projection orin.devtools.bench_projection's.
+config's dimensions first (devtools.synthetic); the HF reference is built from the same config with random
+BF16 weights. On CUDA the kernel timings (devtools.bench_kernels) and a torch.profiler pass over a short
+request record where the time goes; the targets and the table are devtools.bench_report's, the AGX Orin
+projection devtools.bench_projection's.
 
 The video cases (`--video-seconds S`, one per `--video-fps`): one image, an S-second clip with its
 soundtrack (audio in video) and the instruction, answered as the standard request is, on the first all-resident
@@ -46,7 +46,7 @@ from .bench_hf import run_hf
 from .bench_projection import orin_projection, video_projection
 from .bench_report import BenchResult, best_run, render_table
 
-log = logging.getLogger("orin.devtools.bench")
+log = logging.getLogger("devtools.bench")
 
 
 def _meta(cfg: BenchConfig) -> dict:
@@ -86,7 +86,7 @@ def _write_synthetic(cfg: BenchConfig, result: BenchResult, log_fn) -> str:
 
 
 def _storage(model_dir: str, device: str, log_fn) -> dict:
-    """The plain storage -> device bandwidth of the checkpoint's largest file (orin.devtools.bench_storage)."""
+    """The plain storage -> device bandwidth of the checkpoint's largest file (devtools.bench_storage)."""
     from orin.device.select import pick_device
 
     from .bench_storage import storage_bandwidth

@@ -26,7 +26,7 @@ GiB = 1 << 30
 RUN_NAMES = {False: "graph", True: "compiled"}
 _SWITCH = {"on": True, "off": False}
 
-log = logging.getLogger("orin.devtools.bench")
+log = logging.getLogger("devtools.bench")
 
 
 @dataclass(frozen=True)

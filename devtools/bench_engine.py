@@ -5,8 +5,8 @@ orin.contract's events and Report, the loader's residency, an observer for the s
 Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
 warm-up request (kernels, CUDA graphs, compilation) cancelled once its audio has met every code2wav chunk
 shape (warm_chunks), the measured request, and three short requests for TTFT. On CUDA the kernel timings
-(orin.devtools.bench_kernels) and, for the last setting, a torch.profiler pass over a short request follow. The
-video cases (orin.devtools.bench_config) run on the first setting's engine: each gets its own warm-up (cancelled
+(devtools.bench_kernels) and, for the last setting, a torch.profiler pass over a short request follow. The
+video cases (devtools.bench_config) run on the first setting's engine: each gets its own warm-up (cancelled
 as above: the long prefill's shapes) and one measured request."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .bench_config import BenchConfig, BenchInputs, GiB, VideoCase, bench_reques
 from .bench_kernels import decode_timings, prefill_timings, profile_events, profile_once
 from .bench_report import ttft_stats
 
-log = logging.getLogger("orin.devtools.bench")
+log = logging.getLogger("devtools.bench")
 
 Record = Callable[[str, object], None]
 
@@ -75,7 +75,7 @@ def stream_request(engine, request, cancel_after_chunks: int = 0) -> Streamed:
 
 
 def summarize_engine(report, label: str) -> dict:
-    """The table's figures from an engine's Report (orin.contract.Report; see orin.devtools.bench's doc for
+    """The table's figures from an engine's Report (orin.contract.Report; see devtools.bench's doc for
     what each one means)."""
     stages = report.energy.by_stage
     decode_tokens = max(0, report.completion_tokens - 1)
