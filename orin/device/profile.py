@@ -139,6 +139,19 @@ class MemoryTuning:
     # The audio tokens of recent turns kept per engine (a conversation re-sends its earlier audio): ~100
     # six-second turns at the real encoder's width.
     audio_token_cache_bytes: int = 32 << 20
+    # Addresses reserved for a swapped unit's weights (orin.memory.arena): its expected bytes times
+    # `reserve_factor`, plus `reserve_slack`, so a unit that loads a little larger keeps its addresses (and its
+    # graphs). Addresses cost nothing on a discrete GPU; Tegra refuses large reservations (below).
+    reserve_factor: float = 2.0
+    reserve_slack: int = 256 << 20
+    # The most addresses one reservation may ask for (None: no limit); a unit needing more is given several.
+    max_reservation_bytes: int | None = None
+    # The most addresses all reservations together may hold beyond the memory budget (None: no limit); past it the
+    # addresses of units swapped out are given back first, then a unit's weights come from its fallback pool.
+    reserve_headroom_bytes: int | None = None
+    # The largest single device allocation the runtime makes (None: no limit): physical memory mapped for weights,
+    # KV caches, staging buffers and a long prompt's working memory come in pieces under it.
+    max_allocation_bytes: int | None = None
 
     def cache_positions(self, n: int) -> int:
         """The positions a static KV cache that must hold `n` is given: a whole number of granules."""
@@ -231,7 +244,7 @@ class DeviceProfile:
         return "\n".join(lines)
 
 
-_BYTE_FIELDS = ("bytes", "chunk", "piece", "gap", "margin")  # fields that hold bytes (the rest: counts)
+_BYTE_FIELDS = ("bytes", "chunk", "piece", "gap", "margin", "slack")  # fields that hold bytes (the rest: counts)
 
 
 def _number(key: str, v) -> str:
@@ -272,6 +285,16 @@ ORIN_NOTES = (
     ("capture.*", "the H200's: graph captures bound host launch time, which the Orin's A78AE cores pay ~3x more "
                   "of (single-thread ~1/3 of the H200 host's Xeon), so every graph kept there helps at least as much"),
     ("moe.*", "the H200's byte bounds: they bound working memory, which is the same bytes on the Orin"),
+    ("memory.max_reservation_bytes", "4 GiB: cuMemAddressReserve of 32 GiB fails on an AGX Orin 64 GB (JetPack 6) "
+                                     "with 20-34 GB free while 8 GiB works (llama.cpp issue 29142; Orin Nano on "
+                                     "JetPack 7.2: audio.cpp issue 12); half the largest size reported to work"),
+    ("memory.reserve_factor, reserve_slack, reserve_headroom_bytes",
+     "1.25 / 64 MiB / 4 GiB: the total reserved stays near the budget (the H200's 2x + 256 MiB a unit was tens of "
+     "GiB); 4 GiB over the budget is room for one more reservation of the largest size allowed"),
+    ("memory.max_allocation_bytes", "1 GiB: L4T 36.4.7+ (the NvMap fix for CVE-2025-33177) refuses large single "
+                                    "cudaMallocs with NvMapMemAllocInternalTagged error 12 (llama.cpp PR 23732), at "
+                                    "no published size; the model's largest tensor (the embedding, 594 MiB in BF16) "
+                                    "fits under 1 GiB unsplit"),
     ("attention.few_rows_sdpa_max_keys", "256 as on the H200: SDPA's decode kernel walks the cache with one block per "
                                          "KV head on any GPU, and the Orin has 16 SMs to fill, fewer than the H200"),
 )
@@ -279,6 +302,8 @@ ORIN_NOTES = (
 ORIN = DeviceProfile(
     name="orin", description="NVIDIA Jetson AGX Orin 64GB (sm_87, 16 SMs, unified memory)",
     capabilities=Capabilities(cuda=True, triton=True, flash_lower_right=True, unified_memory=True),
+    memory=MemoryTuning(reserve_factor=1.25, reserve_slack=64 << 20, max_reservation_bytes=4 << 30,
+                        reserve_headroom_bytes=4 << 30, max_allocation_bytes=1 << 30),
     sms=16, sm_clock_ghz=1.3, notes=ORIN_NOTES,
 )
 
