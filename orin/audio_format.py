@@ -2,6 +2,7 @@
 talker's codec frame rate that ties speech length to frames."""
 
 INPUT_SAMPLE_RATE = 16_000  # audio into the audio encoder (Whisper features)
+INPUT_HOP = 160  # samples a Whisper feature frame advances by at 16 kHz (Qwen3-Omni's preprocessor: 10 ms)
 OUTPUT_SAMPLE_RATE = 24_000  # speech out of code2wav
 CODEC_FRAMES_PER_SECOND = 12.5  # one codec frame per 80 ms of speech
 SAMPLES_PER_FRAME = int(OUTPUT_SAMPLE_RATE / CODEC_FRAMES_PER_SECOND)  # 1920
@@ -30,3 +31,16 @@ def audio_token_count(frames: int, n_window: int = 50) -> int:
     chunk = 2 * n_window
     tail = frames % chunk
     return (frames // chunk) * conv_length(chunk) + (conv_length(tail) if tail else 0)
+
+
+def frame_aligned(audio):
+    """16 kHz samples padded with silence to a whole number of feature frames (under 10 ms more). A prompt's
+    audios are featurised as one batch whose longest gets a frame fewer when its length is not a whole number of
+    frames (orin.inputs.audio_features), so a conversation's earlier turn, the longest of its own prompt, would get
+    another frame count, other tokens and another cache key once a longer turn joins it: the rows a next turn
+    shares with the last would end at that audio. Aligned, an audio has the same frames in every batch."""
+    import numpy as np
+
+    audio = np.asarray(audio, dtype=np.float32)
+    short = -len(audio) % INPUT_HOP
+    return np.concatenate([audio, np.zeros(short, np.float32)]) if short else audio

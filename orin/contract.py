@@ -229,6 +229,9 @@ class Report:
     # The named routes this request took through the hot path, each chosen once: the device profile, the MoE
     # backend, how the thinker's and the talker's prefills ran (orin.runtime.prefill_route.PrefillRoute's values).
     routes: Mapping[str, str] = field(default_factory=dict)
+    # Of the prompt, the leading tokens read from the thinker's KV cache instead of prefilled again (a
+    # conversation's next turn: the rows it shares with the last prompt).
+    cached_tokens: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -240,7 +243,7 @@ class Report:
             "schedule": [s.to_json() for s in self.schedule], "streaming_speech": self.streaming_speech,
             "swaps": [s.to_json() for s in self.swaps], "resident_after": list(self.resident_after),
             "energy": self.energy.to_json(), "cancelled": self.cancelled, "finish_reason": self.finish_reason,
-            "routes": dict(self.routes),
+            "routes": dict(self.routes), "cached_tokens": self.cached_tokens,
         }
 
 

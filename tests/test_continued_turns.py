@@ -286,6 +286,96 @@ def test_every_turn_of_a_realtime_conversation_replays_its_graph(graph_engine):
     assert routes == ["graph"] + ["reused_graph"] * 4
 
 
+def _warm(engine) -> int:
+    """A server's warm-up on `engine` (a short request, then its idle captures): its prompt's tokens."""
+    _, warm = _run(engine, [{"role": "user", "content": "Warming up."}], continues=False, max_new_tokens=4,
+                   speech=False)
+    engine.capture_deferred(lambda: False)
+    return warm.prompt_tokens
+
+
+def test_a_conversations_first_turn_replays_the_graph_its_session_expected(graph_engine):
+    """A Realtime session tells the engine, before its first turn, how long that turn's prompt will be (its
+    instructions and a question of a few seconds): a first prompt past the server warm-up's lookahead (a long
+    system prompt) then replays a graph captured while idle, where without the expectation it runs eagerly."""
+    system = {"role": "system", "content": " ".join(["You steer a wheeled robot; answer in one sentence."] * 30)}
+    first = [system, {"role": "user", "content": "Where is the red tool?"}]
+    n = graph_engine.count_tokens(first, generation_prompt=True)
+    routes = []
+    for expect in (False, True):
+        _fresh_thinker(graph_engine)
+        warm = _warm(graph_engine)
+        assert n > warm + CPU.capture.lookahead  # beyond what the warm-up's lookahead captures
+        if expect:
+            graph_engine.expect_conversation((n - 8, n + 120), answer=16)
+            graph_engine.capture_deferred(lambda: False)
+        _, report = _run(graph_engine, first, max_new_tokens=16, speech=False)
+        assert report.prompt_tokens == n
+        routes.append(_route(report))
+    assert routes == ["deferred", "graph"]
+
+
+def test_a_realtime_sessions_first_turn_replays_the_graph_its_instructions_asked_for(graph_engine, quantized_dir):
+    """Through the Realtime API and the official client: a session's instructions (a system prompt past the server
+    warm-up's lookahead) make the server capture the first turn's prefill graphs while the user speaks, so the first
+    spoken question replays one (the engine-level test above shows the same prompt runs eagerly without)."""
+    import base64
+    import time
+
+    import realtime_kit as rt
+    import server_kit as kit
+    from speech_kit import pcm16
+
+    from orin.inputs.media import synth_speechlike
+
+    policy = _fresh_thinker(graph_engine).policy
+    warm = _warm(graph_engine)
+    srv = kit.start_server(graph_engine, quantized_dir)
+    try:
+        with rt.session(srv) as conn:
+            rt.configure(conn, instructions=" ".join(["You steer a wheeled robot; answer in one sentence."] * 30),
+                         output_modalities=["text"], max_output_tokens=8,
+                         audio={"input": {"turn_detection": None}})
+            deadline = time.monotonic() + 60  # the captures run on the server's spare turn, in the background
+            while (policy.wanted() or srv.gate.busy
+                   or not any(not k.after and k.rows > warm + CPU.capture.lookahead for k in policy.captured())):
+                assert time.monotonic() < deadline, policy.captured()
+                time.sleep(0.05)
+            audio = base64.b64encode(pcm16(synth_speechlike(3.0, seed=5, sr=24_000))).decode()
+            conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": audio}]})
+            rt.until(conn, "conversation.item.done")
+            done = rt.respond(conn)
+    finally:
+        srv.stop()
+    orin = done.response.model_extra["orin"]
+    assert orin["prompt_tokens"] > warm + CPU.capture.lookahead and orin["routes"]["prefill"] == "graph"
+
+
+def test_a_realtime_conversations_turns_encode_only_their_new_audio_and_read_the_rest_from_the_cache(graph_engine):
+    """Each Realtime turn's prompt holds every earlier turn's audio. An audio whose length is not a whole number
+    of feature frames gets a frame fewer as the longest of its batch, so once a longer turn joins it, it would be
+    encoded again, to other tokens and rows: the Realtime items are aligned to whole frames (frame_aligned), so
+    every turn encodes its new audio only and reads all of the previous prompt's rows from the cache."""
+    from orin.audio_format import INPUT_HOP
+    from orin.inputs.media import synth_speechlike
+    from orin.realtime.conversation import audio_item
+
+    _fresh_thinker(graph_engine)
+    _warm(graph_engine)
+    messages, last = [{"role": "system", "content": "You steer a wheeled robot; answer in one sentence."}], 0
+    for turn, seconds in enumerate((5.0, 6.0, 7.0)):  # each longer than the last: the case that re-encoded
+        item = audio_item(synth_speechlike(seconds, seed=turn)[:-37], 24_000)  # not a whole frame at 24 kHz
+        assert len(item.content[0].audio) % INPUT_HOP == 0
+        messages.append(item.message())
+        text, report = _run(graph_engine, messages, max_new_tokens=8, speech=False)
+        assert graph_engine.thinker.audio_tokens.last["encoded"] == 1, turn
+        assert _route(report).startswith("reused") == (turn > 0), turn
+        assert report.cached_tokens == last, turn
+        last = report.prompt_tokens
+        messages.append({"role": "assistant", "content": text})
+
+
 @pytest.mark.device
 def test_every_turn_of_a_realtime_conversation_replays_its_cuda_graph(request):
     """The same on a GPU, where the graphs are real captures (the synthetic INT4 checkpoint): every turn after

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE
+from ..audio_format import INPUT_SAMPLE_RATE, OUTPUT_SAMPLE_RATE, frame_aligned
 from .audio import INPUT_FORMATS, decode
 from .events import EventError, b64decode, new_id
 
@@ -133,10 +133,11 @@ class Item:
 
 
 def audio_item(samples, rate: int, item_id: str | None = None) -> Item:
-    """A user item of committed input audio (float32 mono at `rate`), resampled to the engine's 16 kHz."""
+    """A user item of committed input audio (float32 mono at `rate`), resampled to the engine's 16 kHz and
+    aligned to whole feature frames (frame_aligned: every later turn then reads this one's rows from the cache)."""
     from ..inputs.media import resample
 
-    audio = resample(samples, rate, INPUT_SAMPLE_RATE) if rate != INPUT_SAMPLE_RATE else samples
+    audio = frame_aligned(resample(samples, rate, INPUT_SAMPLE_RATE) if rate != INPUT_SAMPLE_RATE else samples)
     return Item(item_id or new_id("item"), "user", [Part("input_audio", audio=audio)])
 
 
@@ -222,7 +223,7 @@ def _audio_part(part: dict, input_format: str, limits: MediaLimits, where: str) 
         raise EventError(f"{where}.audio is {seconds:.1f} s long, over the server's {limits.max_audio_seconds:g} s "
                          "limit", param=f"{where}.audio")
     transcript = part.get("transcript")
-    return Part("input_audio", audio=resample(samples, rate, INPUT_SAMPLE_RATE),
+    return Part("input_audio", audio=frame_aligned(resample(samples, rate, INPUT_SAMPLE_RATE)),
                 transcript=transcript if isinstance(transcript, str) else None)
 
 

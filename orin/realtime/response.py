@@ -142,12 +142,12 @@ class ResponseRun:
 def usage(report, prompt_details: tuple[int, int]) -> dict:
     """GA usage: the engine's prompt and completion tokens; of the prompt, the audio and image tokens counted in
     the conversation (`prompt_details`); of the output, text tokens and codec frames (the talker's audio
-    tokens). Nothing is cached between responses: each prefills its whole context."""
+    tokens); of the input, the tokens read from the engine's cache (a turn's rows shared with the turn before:
+    Report.cached_tokens), not broken down by kind."""
     audio_in, image_in = prompt_details
     prompt, text_out, audio_out = int(report.prompt_tokens), int(report.completion_tokens), int(report.talker_frames)
     return {"total_tokens": prompt + text_out + audio_out, "input_tokens": prompt,
             "output_tokens": text_out + audio_out,
             "input_token_details": {"text_tokens": max(0, prompt - audio_in - image_in), "audio_tokens": audio_in,
-                                    "image_tokens": image_in, "cached_tokens": 0,
-                                    "cached_tokens_details": {"text_tokens": 0, "audio_tokens": 0, "image_tokens": 0}},
+                                    "image_tokens": image_in, "cached_tokens": int(report.cached_tokens)},
             "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out}}

@@ -132,6 +132,18 @@ class CapturePolicy:
         self._wanted = [k for k in self._wanted if not k.after or k in keys]
         self._want(keys, size)
 
+    def expect(self, lo: int, hi: int, record: tuple[int, ...], answer: int, cache: int) -> None:
+        """A conversation is about to start (a Realtime session, on its creation and on each change of its
+        instructions): its first prompt will be `lo` to `hi` rows (the instructions and a question of a few seconds;
+        the server warm-up's lookahead does not reach a long system prompt's), its answer up to `answer` tokens.
+        Their whole-prompt buckets are captured first while idle, over a cache grown to hold them."""
+        if not self.defer or not self.graphs:
+            return
+        hi = min(hi, self.long_tokens)
+        keys = [GraphKey(b, record) for b in self._order(lo, hi, prefill_bucket(lo)) if b <= self.long_tokens]
+        self._next_need = max(self._next_need, max((k.rows for k in keys), default=0), hi + answer)
+        self._want(keys, max(cache, self.cache_positions(self._next_need)))
+
     # ------------------------------------------------------------------ idle time
 
     def wanted(self) -> tuple[GraphKey, ...]:

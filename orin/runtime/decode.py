@@ -58,6 +58,7 @@ class StaticDecoder:
         self._graphs = GraphSet(device, profile.capture.capture_warmups)  # by GraphKey; the policy says which
         self._stepped_by: str | None = None  # "tokens" (step) or "embeds" (step_embeds): how a dummy step goes
         self.last_prefill: PrefillRoute | None = None
+        self.last_shared = 0  # the leading rows the last prefill read from the cache (a conversation's turn)
         self._held: _Held | None = None  # the last prompt, where a next turn may read its rows from the cache
 
     @property
@@ -126,7 +127,7 @@ class StaticDecoder:
             out = self._prefill_after(route, prompt, record)
         else:
             out = self._prefill_whole(route, prompt, record, graph)
-        self.last_prefill = route.kind
+        self.last_prefill, self.last_shared = route.kind, route.shared
         policy.prefilled(route, need, self.max_len, continues)
         self.delta.fill_(prompt.rope_delta)
         self.length = T

@@ -100,6 +100,7 @@ class Engine:
         self.vocoder_graphs = EncoderGraphs(self.device, self.profile.capture)  # code2wav's chunk shapes
         self.heap = HeapSettler()
         self._kept_weights = False  # whether the last request's plan kept every weight in place
+        self._expected: tuple[tuple[int, int], int] | None = None  # expect_conversation's, for the idle captures
 
     # ------------------------------------------------------------------ public API
 
@@ -162,6 +163,12 @@ class Engine:
         self.decoders.defer_captures(defer)
         self.thinker.encoder_graphs.defer = self.vocoder_graphs.defer = defer
 
+    def expect_conversation(self, rows: tuple[int, int], answer: int) -> None:
+        """A conversation whose first prompt is `rows` (least, most) long and its answer up to `answer` tokens is
+        about to start (a Realtime session): the next idle captures take its prefill graphs first. Callable from
+        any thread while a request runs: it is only noted here."""
+        self._expected = (rows, answer)
+
     def capture_deferred(self, stop: Callable[[], bool]) -> int:
         """The deferred captures, one at a time until `stop()` says a request waits; only where the last request
         kept every weight in place (all-resident: a time-sliced engine's weights move, and its graphs with them).
@@ -171,6 +178,9 @@ class Engine:
         with self._lock, torch.inference_mode(), without_cudnn_attention():
             if not self._kept_weights:
                 return 0
+            expected, self._expected = self._expected, None
+            if expected is not None:
+                self.thinker.expect_conversation(*expected)
             made = (self.thinker.encoder_graphs.capture_deferred(stop) + self.vocoder_graphs.capture_deferred(stop)
                     + self.decoders.capture_deferred(stop))
             self._settle_heap()
@@ -359,6 +369,7 @@ class Engine:
         state.mark("prefilled")
         state.mark(f"prefill_{decoder.last_prefill}")  # how it ran: StaticDecoder.last_prefill
         state.routes["prefill"] = str(decoder.last_prefill)
+        state.cached_tokens = decoder.last_shared
         token = Thinker.sample(logits, req.temperature, req.top_p, gen)
         state.ttft = time.perf_counter() - state.t0
         state.mark("first_token")

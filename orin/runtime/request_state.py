@@ -29,6 +29,7 @@ class RequestState:
     talker_seconds: float = 0.0
     timeline: dict[str, float] = field(default_factory=dict)  # seconds from t0 at each step to the first outputs
     routes: dict[str, str] = field(default_factory=dict)  # how its prefills ran (Report.routes)
+    cached_tokens: int = 0  # the prompt's leading tokens the thinker read from its cache (Report.cached_tokens)
 
     def mark(self, name: str) -> None:
         self.timeline.setdefault(name, time.perf_counter() - self.t0)
@@ -75,6 +76,7 @@ def build_report(state: RequestState, prompt, plan: RequestPlan, energy: EnergyR
     return Report(
         text=text,
         prompt_tokens=prompt.length,
+        cached_tokens=state.cached_tokens,
         completion_tokens=len(state.tokens),
         token_ids=tuple(state.tokens),
         ttft_s=state.ttft,

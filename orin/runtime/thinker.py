@@ -170,12 +170,20 @@ class Thinker:
         conversation's next turn (StaticDecoder.prefill). The merged embeddings are the prefill's to overwrite
         (a long prompt's are, where it holds nothing for a next turn)."""
         embeds, position_ids, delta, visual = merged
-        talker = self.config.talker_config
-        record = (talker.accept_hidden_layer,) if talker is not None else ()
         dec = self.decoders.thinker
-        out = dec.prefill(PrefillInputs(embeds[0], position_ids, max_len, record, visual, delta), graph=graph,
-                          continues=continues)
+        out = dec.prefill(PrefillInputs(embeds[0], position_ids, max_len, self._record(), visual, delta),
+                          graph=graph, continues=continues)
         return dec, out.states, out.logits
+
+    def _record(self) -> tuple[int, ...]:
+        talker = self.config.talker_config
+        return (talker.accept_hidden_layer,) if talker is not None else ()
+
+    def expect_conversation(self, rows: tuple[int, int], answer: int) -> None:
+        """A conversation's first prompt of `rows` (least, most) is coming, its answer up to `answer` tokens: its
+        prefill graphs are wanted first at the next idle captures (CapturePolicy.expect)."""
+        dec = self.decoders.thinker
+        dec.policy.expect(rows[0], rows[1], self._record(), answer, dec.max_len)
 
     @staticmethod
     def sample(logits, temperature: float, top_p: float, gen) -> int:

@@ -134,8 +134,11 @@ def finish_reason(report: Report) -> str:
 
 
 def usage(report: Report) -> dict:
+    """OpenAI's usage; its cached tokens: those of the prompt read from the engine's cache (a conversation's next
+    turn)."""
     prompt, completion = int(report.prompt_tokens), int(report.completion_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(report.cached_tokens)}}
 
 
 def completion_body(req: ChatRequest, model: str, ids: tuple[str, str, int], text: str, audio,

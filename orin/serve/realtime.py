@@ -118,6 +118,7 @@ class _Session(SessionHandlers):
             self.cfg = SessionConfig.default(self.caps)
             await self._configure_vad()
             await self.emit(server_event("session.created", session=self.cfg.to_json(self.id, self.expires_at)))
+            self.expect_first_turn()
             log.info("%s realtime session %s started", self._client(), self.id)
             await self._read()
         except _Gone:

@@ -11,8 +11,10 @@ import logging
 import threading
 import time
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 
+from ..audio_format import INPUT_SAMPLE_RATE
 from ..contract import AudioChunk, Done, GenerationRequest, TextDelta
 from ..errors import OrinError
 from ..realtime import events as ev
@@ -40,6 +42,9 @@ IDLE_KEEP_MS = 1000  # audio kept before the prefix padding while nobody speaks 
 # max_output_tokens "inf": OpenAI's largest explicit value. The planner sizes the KV caches (the talker's too, at 8
 # frames a token unless --max-speech-seconds caps speech) for the whole allowance, so "inf" must stay bounded.
 INF_TOKENS = 4096
+# The spoken question a session's first turn is expected to hold, in seconds, least and most (with the VAD's
+# prefix padding and closing silence): a robot's spoken commands and questions are a few seconds.
+FIRST_QUESTION_S = (1.0, 10.0)
 
 
 class SessionHandlers:
@@ -113,6 +118,21 @@ class SessionHandlers:
         if new.turn_detection != old.turn_detection:
             await self._configure_vad()
         await self.emit(server_event("session.updated", session=new.to_json(self.id, self.expires_at)))
+        if (new.instructions, new.max_output_tokens) != (old.instructions, old.max_output_tokens):
+            self.expect_first_turn()
+
+    def expect_first_turn(self) -> None:
+        """Before the conversation's first turn: the engine captures its prefill graphs while the user speaks,
+        for the instructions and a spoken question of FIRST_QUESTION_S seconds (a long system prompt is beyond
+        what the server warm-up's graphs reach; docs/architecture.md, "Capture policy")."""
+        if len(self.conversation):
+            return
+        counter = self.hub.counter()
+        fixed = counter.system(self.cfg.instructions) + counter.generation_prompt
+        lo, hi = (fixed + counter.count(audio_item(np.zeros(int(s * INPUT_SAMPLE_RATE), np.float32),
+                                                   INPUT_SAMPLE_RATE)).tokens for s in FIRST_QUESTION_S)
+        answer = self.cfg.max_output_tokens or min(self.server.cfg.max_new_tokens, INF_TOKENS)
+        self.server.worker.expect_conversation((lo, hi), answer)
 
     async def _configure_vad(self) -> None:
         """A detector for the session's turn_detection (none for null), its timeline continuing the session's."""

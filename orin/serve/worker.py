@@ -79,6 +79,13 @@ class Worker:
         threading.Thread(target=self._run, args=(req, run), name="orin-generate", daemon=True).start()
         return run
 
+    def expect_conversation(self, rows: tuple[int, int], answer: int) -> None:
+        """A conversation of a first prompt of `rows` (least, most) and answers up to `answer` tokens is starting
+        (Engine.expect_conversation); its captures run now if the GPU is idle, else after the request running."""
+        if self.engine is not None:
+            self.engine.expect_conversation(rows, answer)
+            threading.Thread(target=self.spare, name="orin-spare", daemon=True).start()
+
     def cancel_all(self) -> None:
         with self._lock:
             for event in self._active:
