@@ -330,15 +330,17 @@ def test_a_realtime_sessions_first_turn_replays_the_graph_its_instructions_asked
 
     policy = _fresh_thinker(graph_engine).policy
     warm = _warm(graph_engine)
+    instructions = " ".join(["You steer a wheeled robot; answer in one sentence."] * 30)
+    system = graph_engine.count_tokens([{"role": "system", "content": instructions}])
+    assert system > warm + CPU.capture.lookahead
     srv = kit.start_server(graph_engine, quantized_dir)
     try:
         with rt.session(srv) as conn:
-            rt.configure(conn, instructions=" ".join(["You steer a wheeled robot; answer in one sentence."] * 30),
-                         output_modalities=["text"], max_output_tokens=8,
+            rt.configure(conn, instructions=instructions, output_modalities=["text"], max_output_tokens=8,
                          audio={"input": {"turn_detection": None}})
             deadline = time.monotonic() + 60  # the captures run on the server's spare turn, in the background
             while (policy.wanted() or srv.gate.busy
-                   or not any(not k.after and k.rows > warm + CPU.capture.lookahead for k in policy.captured())):
+                   or not any(not k.after and k.rows > system for k in policy.captured())):
                 assert time.monotonic() < deadline, policy.captured()
                 time.sleep(0.05)
             audio = base64.b64encode(pcm16(synth_speechlike(3.0, seed=5, sr=24_000))).decode()

@@ -178,11 +178,15 @@ class Engine:
         with self._lock, torch.inference_mode(), without_cudnn_attention():
             if not self._kept_weights:
                 return 0
-            expected, self._expected = self._expected, None
-            if expected is not None:
-                self.thinker.expect_conversation(*expected)
-            made = (self.thinker.encoder_graphs.capture_deferred(stop) + self.vocoder_graphs.capture_deferred(stop)
-                    + self.decoders.capture_deferred(stop))
+            made = 0
+            while True:  # until nothing is wanted; a session that starts meanwhile adds its graphs
+                expected, self._expected = self._expected, None
+                if expected is not None:
+                    self.thinker.expect_conversation(*expected)
+                made += (self.thinker.encoder_graphs.capture_deferred(stop)
+                         + self.vocoder_graphs.capture_deferred(stop) + self.decoders.capture_deferred(stop))
+                if self._expected is None or stop():
+                    break
             self._settle_heap()
             return made
 
