@@ -228,7 +228,8 @@ def test_completion_body_text_and_audio():
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "hello", "refusal": None}
     assert choice["finish_reason"] == "length"  # 4 of max 4 tokens
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["orin"]["ttft_s"] == 0.1
     json.dumps(body)
 
