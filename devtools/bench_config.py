@@ -56,6 +56,7 @@ class BenchConfig:
     hf_repeats: int = 2
     packed_cache: str = "auto"  # a --packed-cache value (orin.memory.packed_cache.resolve_dir): "auto", "off" or a path
     sliced_unpacked: tuple[int, ...] = ()  # budgets run time-sliced again without packed copies (converting)
+    memory: str = "device"  # the time-sliced runs' weight arenas (devtools.bench_memory.MEMORY_VARIANTS)
     # The video cases: a clip of video_seconds (0: none) sampled at each of video_fps, frames video_size² pixels.
     video_seconds: float = 0.0
     video_fps: tuple[float, ...] = (2.0,)

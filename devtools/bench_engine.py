@@ -2,12 +2,10 @@
 per torch.compile setting) and time-sliced (one engine per budget), through its public API only (orin.runtime.engine,
 orin.contract's events and Report, the loader's residency, an observer for the stages).
 
-Each all-resident engine loads every component first (load time reported apart), then gets an unmeasured
-warm-up request (kernels, CUDA graphs, compilation) cancelled once its audio has met every code2wav chunk
-shape (warm_chunks), the measured request, and three short requests for TTFT. On CUDA the kernel timings
-(devtools.bench_kernels) and, for the last setting, a torch.profiler pass over a short request follow. The
-video cases (devtools.bench_config) run on the first setting's engine: each gets its own warm-up (cancelled
-as above: the long prefill's shapes) and one measured request."""
+Each all-resident engine loads every component (load time apart), then gets an unmeasured warm-up (kernels, graphs,
+compilation) cancelled once its audio has met every code2wav chunk shape (warm_chunks), the measured request and
+three short ones for TTFT; on CUDA the kernel timings (devtools.bench_kernels) and, for the last setting, a profiler
+pass follow. The video cases run on the first setting's engine, each with its own warm-up and one request."""
 
 from __future__ import annotations
 
@@ -44,10 +42,13 @@ def open_engine(cfg: BenchConfig, model_dir: str, budget: int | None, compile: b
     from orin.memory.packed_cache import resolve_dir
     from orin.runtime.engine import Engine
 
+    from .bench_memory import engine_overrides
+
+    memory = engine_overrides(cfg.memory, cfg.engine.device) if budget is not None else {}  # no arenas all-resident
     # The synthetic checkpoint was hashed as it was written; verifying would re-read every byte.
     return Engine(replace(cfg.engine, model_dir=model_dir, budget=budget, compile=compile, prefetch=prefetch,
                           verify_checksums=cfg.engine.verify_checksums and not cfg.synthetic,
-                          packed_cache=resolve_dir(cfg.packed_cache, model_dir)), observer=observer)
+                          packed_cache=resolve_dir(cfg.packed_cache, model_dir), **memory), observer=observer)
 
 
 def warm_chunks(engine) -> int:

@@ -86,13 +86,16 @@ def tiny_model_cmd(out, seed, force):
 @click.option("--realtime-question", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Also run the Realtime API case: this spoken question (an audio file) streamed to the server's "
                    "WebSocket in real time; voice-to-voice latency and barge-in.")
+@click.option("--memory", type=click.Choice(["device", "orin", "fallback"]), default="device", show_default=True,
+              help="The time-sliced runs' weight arenas: this device's profile, the Orin profile's bounds on "
+                   "reservations and allocations, or every reservation refused (each unit on the fallback).")
 @click.option("--video-only", "--cases-only", "video_only", is_flag=True,
               help="Only the video and realtime cases: no standard request, time-sliced runs, kernel timings or "
                    "profile.")
 def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, images, image_size, text_tokens,
               audio_frames, budget_sliced, skip_hf, skip_sliced, compile_settings, profile, power_backend, json_out,
               seed, hf_repeats, packed_cache, sliced_unpacked, video_seconds, video_fps, video_size, realtime_question,
-              video_only):
+              memory, video_only):
     """The standard request (audio + image -> text + speech) through orin-omni (all-resident, time-sliced)
     and HF transformers BF16, side by side: memory, TTFT, first audio, tokens/s, energy, swaps. With
     --video-seconds, the video cases too (image + video with its soundtrack -> text + speech)."""
@@ -110,7 +113,7 @@ def bench_cmd(config, model_dir, synthetic, workdir, device, audio_seconds, imag
         compile=parse_compile(compile_settings), profile=profile,
         json_out=json_out, seed=seed, hf_repeats=hf_repeats, packed_cache=packed_cache,
         sliced_unpacked=tuple(sliced_unpacked), video_seconds=video_seconds, video_fps=tuple(video_fps),
-        video_size=video_size, video_only=video_only, realtime_question=realtime_question,
+        video_size=video_size, video_only=video_only, realtime_question=realtime_question, memory=memory,
     ), log_fn=lambda m: click.echo(m, err=True))
     click.echo(render_table(result))
 

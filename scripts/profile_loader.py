@@ -119,6 +119,7 @@ def phases(piece: str, reps: int = 3) -> dict:
     import orin.memory.loader as ld
     import orin.memory.packed_cache as pc
     import orin.memory.unit_reader as ur
+    import orin.memory.vmm_driver as vd
 
     spent: dict = {}
     patched = []
@@ -138,7 +139,7 @@ def phases(piece: str, reps: int = 3) -> dict:
 
     for owner, name in ((pc.PackedCache, "find"), (br.BlockReader, "__init__"), (br.BlockReader, "read"),
                         (br.BlockReader, "_read_host"), (br.BlockReader, "_read_streamed"), (br._Lane, "settle"),
-                        (br._Lane, "take"), (br._Lane, "new_block"), (br._Lane, "copy"), (wa.CudaVmm, "map"),
+                        (br._Lane, "take"), (br._Lane, "new_block"), (br._Lane, "copy"), (vd.CudaVmm, "map"),
                         (ur.UnitReader, "_load_packed"), (ld.Loader, "_load_units"), (ur.UnitReader, "_keep_module"),
                         (ld.Loader, "_cap"), (ld.Loader, "_trim"), (wa.UnitArena, "begin"),
                         (i4.Int4Linear, "load_packed_"), (i4e.Int4Experts, "load_packed_"), (br, "_cut")):

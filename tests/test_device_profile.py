@@ -8,7 +8,8 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from orin.device.capabilities import detect
+from orin.device.allocator_conf import AllocatorConf, AllocatorSetting
+from orin.device.capabilities import cuda_base_profile, detect
 from orin.device.profile import AMPERE, CPU, HOPPER, ORIN, PROFILES, DeviceProfile, for_arch, named
 from orin.errors import UsageError
 
@@ -78,3 +79,39 @@ def test_plan_prints_the_profile_it_sizes_with(real_config):
     assert orin.exit_code == 0 and cpu.exit_code == 0, orin.output + cpu.output
     assert "device profile: orin" in orin.output and "+ 768.00 MiB runtime margin" in orin.output
     assert "device profile: cpu" in cpu.output and "+ 0 B runtime margin" in cpu.output
+
+
+def test_the_allocator_configuration_is_parsed_as_torch_reads_it():
+    conf = AllocatorConf.from_environ({
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:True,roundup_power2_divisions:[64:8,>:1]",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:False", "OTHER": "expandable_segments:True"})
+    cuda, new = conf.settings
+    assert (cuda.variable, new.variable) == ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    assert cuda.options == (("max_split_size_mb", "512"), ("expandable_segments", "True"),
+                            ("roundup_power2_divisions", "[64:8,>:1]"))
+    assert cuda.expandable_segments and not new.expandable_segments and conf.expandable == (cuda,)
+    assert cuda.fix() == "export PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:512,roundup_power2_divisions:[64:8,>:1]'"
+    # The last mention counts; the only option gone leaves nothing to keep: unset it.
+    assert not AllocatorSetting.parse("PYTORCH_ALLOC_CONF", "expandable_segments:True,expandable_segments:False"
+                                      ).expandable_segments
+    alone = AllocatorSetting.parse("PYTORCH_ALLOC_CONF", "expandable_segments:true")
+    assert alone.expandable_segments and alone.fix() == "unset PYTORCH_ALLOC_CONF"
+    assert AllocatorConf.from_environ({"PYTORCH_CUDA_ALLOC_CONF": ""}).settings == ()
+    assert AllocatorConf().describe() == "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF unset"
+
+
+def test_a_tegra_device_refuses_expandable_segments_naming_the_variable_and_the_fix():
+    expandable = AllocatorConf.from_environ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"})
+    with pytest.raises(UsageError) as refused:
+        cuda_base_profile((8, 7), tegra=True, allocator=expandable)
+    message = str(refused.value)
+    assert "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True,max_split_size_mb:64'" in message
+    assert "export PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:64'" in message and "Tegra" in message
+    assert refused.value.exit_code == 2
+    # The same environment runs on a discrete GPU, and the Orin runs without the option.
+    assert cuda_base_profile((9, 0), tegra=False, allocator=expandable) is HOPPER
+    assert cuda_base_profile((8, 7), tegra=True, allocator=AllocatorConf()) is ORIN
+    fine = AllocatorConf.from_environ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    assert cuda_base_profile((8, 7), tegra=True, allocator=fine) is ORIN
+    # The CPU engine never asks the CUDA allocator for memory: nothing to refuse.
+    assert detect(torch.device("cpu"), allocator=expandable).name == "cpu"

@@ -3,6 +3,7 @@ unit directory's root in tmp_path: every check's pass/fail/skip in a good setup 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pwd
@@ -15,12 +16,21 @@ import pytest
 from click.testing import CliRunner
 from test_power import AGX_ORIN, make_hwmon_tree
 
+from orin.checks.cuda_driver import CudaCallError, CudaDriver, DriverUnavailable, open_driver
 from orin.checks.doctor import DoctorConfig, render_table, run_doctor
-from orin.checks.doctor_checks import FAIL, PASS, SKIP, TORCH_INSTALL, check_python, torch_install_hint
+from orin.checks.doctor_checks import FAIL, PASS, SKIP, TORCH_INSTALL, WARN, check_python, torch_install_hint
+from orin.checks.doctor_memory import (
+    check_host_register,
+    check_l4t_release,
+    check_largest_allocation,
+    check_reservation,
+)
 from orin.checks.smoke import Check as SmokeCheck
 from orin.checks.smoke import SmokeResult
 from orin.checks.smoke import render_table as render_smoke
 from orin.cli import cli
+from orin.device.allocator_conf import AllocatorConf
+from orin.device.profile import HOPPER, ORIN
 from orin.errors import UsageError
 from orin.service.install import InstallConfig, install_service
 from orin.units import parse_bytes
@@ -89,7 +99,8 @@ GOOD = {
     "python": PASS, "torch": PASS, "cuda": SKIP, "int4 kernel": PASS, "triton": SKIP, "cuda graph": SKIP,
     "nvpmodel": SKIP, "power: jtop": SKIP, "power: ina3221": PASS, "power": PASS,
     "model dir": PASS, "checksums": PASS, "memory": PASS, "disk": PASS, "model access": PASS,
-    "service unit": PASS, "service enabled": PASS, "service active": SKIP,
+    "allocator config": SKIP, "l4t release": SKIP, "vmm reservation": SKIP, "largest allocation": SKIP,
+    "host register": SKIP, "service unit": PASS, "service enabled": PASS, "service active": SKIP,
 }
 
 
@@ -342,3 +353,283 @@ def test_a_model_under_tmp_gets_the_same_status_however_doctor_is_run(quantized_
     for check in (live, staged):
         assert f"warning: {real} is under /tmp" in check.detail
         assert f"sudo mkdir -p /opt/models && sudo mv {real} /opt/models/" in check.detail
+
+
+# ------------------------------------------------------------------ the memory probes (issue 37)
+
+MiB = 1 << 20
+NO_ALLOCATOR = AllocatorConf()
+
+
+class BoardDriver(CudaDriver):
+    """A board's CUDA driver, as the probes see it: grants or refuses as it is told (a reservation or allocation
+    over a limit fails with CUDA_ERROR_OUT_OF_MEMORY, as Tegra's does), and remembers what is still held."""
+
+    name = "Orin (stand-in)"
+
+    def __init__(self, *, vmm=True, host_register=True, register_error=False, max_reservation=None,
+                 max_allocation=None, reservations=None, granularity=2 * MiB):
+        self.vmm, self.host_register_ok, self.register_error = vmm, host_register, register_error
+        self.reservations = reservations  # how many reservations it grants at once (None: any)
+        self.max_reservation, self.max_allocation, self.gran = max_reservation, max_allocation, granularity
+        self.reserved, self.created, self.allocated, self.registered = {}, set(), {}, {}
+        self.calls, self.closed, self._next = [], False, 1 << 40
+        self.registered_bytes = b""
+
+    def _oom(self, call, size, limit):
+        self.calls.append((call, size))
+        if limit is not None and size > limit:
+            raise CudaCallError(call, 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        self._next += size
+        return self._next
+
+    def attribute(self, attribute):
+        return {99: int(self.host_register_ok), 102: int(self.vmm)}[attribute]
+
+    def granularity(self):
+        return self.gran
+
+    def reserve(self, size):
+        if size % self.gran:
+            raise CudaCallError("cuMemAddressReserve", 1, "CUDA_ERROR_INVALID_VALUE")
+        if self.reservations is not None and len(self.reserved) >= self.reservations:
+            raise CudaCallError("cuMemAddressReserve", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        ptr = self._oom("cuMemAddressReserve", size, self.max_reservation)
+        self.reserved[ptr] = size
+        return ptr
+
+    def free_addresses(self, ptr, size):
+        assert self.reserved.pop(ptr) == size
+
+    def create(self, size):
+        handle = self._oom("cuMemCreate", size, self.max_allocation)
+        self.created.add(handle)
+        return handle
+
+    def release(self, handle):
+        self.created.remove(handle)
+
+    def alloc(self, size):
+        ptr = self._oom("cuMemAlloc", size, self.max_allocation)
+        self.allocated[ptr] = size
+        return ptr
+
+    def free(self, ptr):
+        del self.allocated[ptr]
+
+    def host_register(self, ptr, size):
+        self.registered_bytes = ctypes.string_at(ptr, 8)  # what the device would see: the file's own bytes
+        if self.register_error:
+            raise CudaCallError("cuMemHostRegister_v2", 801, "CUDA_ERROR_NOT_SUPPORTED")
+        self.registered[ptr] = size
+
+    def host_unregister(self, ptr):
+        del self.registered[ptr]
+
+    def close(self):
+        self.closed = True
+
+    def holds_nothing(self) -> bool:
+        return not (self.reserved or self.created or self.allocated or self.registered)
+
+
+def jetson_board(tmp_path: Path, release: str = "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, "
+                 "EABI: aarch64, DATE: Wed Jan  8 01:49:37 UTC 2025") -> dict:
+    roots = board(tmp_path)
+    (Path(roots["root"]) / "etc").mkdir()
+    (Path(roots["root"]) / "etc/nv_tegra_release").write_text(release + "\n")
+    return roots
+
+
+def test_memory_probes_pass_on_a_board_that_grants_them(quantized_dir, tmp_path):
+    driver = BoardDriver()
+    result = run_doctor(DoctorConfig(model_dir=quantized_dir, user=ME, allocator=NO_ALLOCATOR, **jetson_board(tmp_path)),
+                        cuda_driver=lambda: driver)
+    got = statuses(result)
+    assert [got[n] for n in ("allocator config", "l4t release", "vmm reservation", "largest allocation",
+                             "host register")] == [PASS] * 5, render_table(result)
+    assert result.profile is ORIN  # a Jetson whose torch sees no GPU is still planned as an Orin
+    # 24 GiB budget + the Orin's 4 GiB headroom, in pieces of at most its 4 GiB, all held at once, then freed.
+    assert [c for c in driver.calls if c[0] == "cuMemAddressReserve"] == [("cuMemAddressReserve", 4 << 30)] * 7
+    assert "reserved 28.00 GiB" in result.check("vmm reservation").detail
+    assert ("cuMemCreate", 1 << 30) in driver.calls and ("cuMemAlloc", 1 << 30) in driver.calls
+    assert "max_allocation_bytes" in result.check("largest allocation").detail
+    shard = sorted(Path(quantized_dir).rglob("*.safetensors"))[0]
+    assert str(shard) in result.check("host register").detail
+    assert driver.registered_bytes == shard.read_bytes()[:8]  # the mapping is the file's
+    assert driver.holds_nothing() and driver.closed and "R36.4.3" in result.check("l4t release").detail
+
+
+def test_a_board_that_refuses_large_pieces_warns_and_fails_with_the_fixes(quantized_dir, tmp_path):
+    driver = BoardDriver(max_reservation=2 << 30, max_allocation=512 * MiB)
+    result = run_doctor(DoctorConfig(model_dir=quantized_dir, user=ME, allocator=NO_ALLOCATOR,
+                                     **jetson_board(tmp_path, "# R36 (release), REVISION: 4.7, GCID: 1")),
+                        cuda_driver=lambda: driver)
+    reservation, largest = result.check("vmm reservation"), result.check("largest allocation")
+    assert reservation.status == WARN and "piece 1 failed after 0 B" in reservation.detail
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in reservation.detail and "reboot" in reservation.fix
+    assert largest.status == FAIL and "1.00 GiB" in largest.detail and "reboot the board" in largest.fix
+    release = result.check("l4t release")
+    assert release.status == WARN and "CVE-2025-33177" in release.detail and "1.00 GiB" in release.fix
+    assert not result.ok and driver.holds_nothing()
+    table = render_table(result)
+    assert f"fix: {reservation.fix}" in table and f"fix: {release.fix}" in table  # warnings print their fix too
+    assert "warned" in table.splitlines()[-1]
+
+
+def test_each_driver_probe_alone():
+    memory = ORIN.memory
+    # A reservation that fails part way gives back what it got.
+    driver = BoardDriver(reservations=3)
+    check = check_reservation(driver, memory, 24 << 30)
+    assert check.status == WARN and "piece 4 failed after 12.00 GiB" in check.detail and driver.holds_nothing()
+    # No virtual memory management: a warning; the largest allocation is then tried as cudaMalloc alone.
+    driver = BoardDriver(vmm=False)
+    assert check_reservation(driver, memory, 24 << 30).status == WARN
+    check = check_largest_allocation(driver, memory, None)
+    assert check.status == PASS and [c[0] for c in driver.calls] == ["cuMemAlloc"]
+    # Hopper: no headroom, no piece size: one reservation of budget x 2 + 256 MiB; the plan's largest is the size.
+    driver = BoardDriver()
+    assert check_reservation(driver, HOPPER.memory, 8 << 30).status == PASS
+    assert driver.calls == [("cuMemAddressReserve", (16 << 30) + 256 * MiB)]
+    assert check_largest_allocation(BoardDriver(), HOPPER.memory, None).status == SKIP
+    check = check_largest_allocation(driver, HOPPER.memory, (3 * MiB, "thinker's KV cache"))
+    assert check.status == PASS and "the plan's largest single allocation, the thinker's KV cache" in check.detail
+    assert ("cuMemCreate", 4 * MiB) in driver.calls and ("cuMemAlloc", 3 * MiB) in driver.calls
+
+
+def test_host_registration_probe(tmp_path):
+    scratch = str(tmp_path)
+    driver = BoardDriver()
+    check = check_host_register(driver, None, scratch)  # no checkpoint: a temporary file, removed after
+    assert check.status == PASS and "a temporary file" in check.detail and not list(tmp_path.iterdir())
+    assert driver.registered_bytes == bytes(8) and driver.holds_nothing()
+    check = check_host_register(BoardDriver(host_register=False), None, scratch)
+    assert check.status == WARN and "cudaDevAttrHostRegisterSupported is 0" in check.detail and check.fix
+    check = check_host_register(BoardDriver(register_error=True), None, scratch)
+    assert check.status == WARN and "CUDA_ERROR_NOT_SUPPORTED" in check.detail
+
+
+def test_without_a_driver_the_probes_say_why(quantized_dir, tmp_path):
+    def no_driver():
+        raise DriverUnavailable("no CUDA driver library (libcuda.so.1: not found)")
+
+    roots = board(tmp_path)
+    result = run_doctor(DoctorConfig(model_dir=quantized_dir, user=ME, allocator=NO_ALLOCATOR, **roots),
+                        cuda_driver=no_driver)
+    for name in ("vmm reservation", "largest allocation", "host register"):
+        assert result.check(name).status == SKIP and "libcuda.so.1" in result.check(name).detail
+    assert result.check("l4t release").status == SKIP and "not a Jetson" in result.check("l4t release").detail
+    assert result.ok
+    # This machine's own driver: there or not, opening it never raises anything else.
+    try:
+        open_driver().close()
+    except DriverUnavailable as exc:
+        assert "CUDA" in str(exc)
+
+
+@pytest.mark.parametrize("text, status, shown", [
+    ("# R36 (release), REVISION: 4.3, GCID: 1, BOARD: generic, EABI: aarch64", PASS, "R36.4.3"),
+    ("# R35 (release), REVISION: 6.0, GCID: 1", PASS, "R35.6.0"),
+    ("# R36 (release), REVISION: 4.7, GCID: 42, BOARD: generic, EABI: aarch64, DATE: x", WARN, "R36.4.7"),
+    ("# R36 (release), REVISION: 5.0, GCID: 1", WARN, "R36.5.0"),
+    ("# R38 (release), REVISION: 2.1, GCID: 1", WARN, "R38.2.1"),
+    ("# R39 (release), REVISION: 2, GCID: 1", WARN, "R39.2.0"),
+    ("garbage", WARN, "names no release"),
+])
+def test_the_l4t_release_against_the_nvmap_change(tmp_path, text, status, shown):
+    path = tmp_path / "nv_tegra_release"
+    path.write_text(text + "\n")
+    check = check_l4t_release(path, 1 << 30)
+    assert check.status == status and shown in check.detail, check
+    if status == WARN and "R3" in shown:
+        assert "NvMapMemAllocInternalTagged" in check.detail and "reboot" in check.fix
+    assert check_l4t_release(tmp_path / "absent", None).status == SKIP
+
+
+def test_expandable_segments_fail_on_a_jetson_wherever_they_are_set(quantized_dir, tmp_path):
+    roots = jetson_board(tmp_path)
+    install(quantized_dir, roots["root"])
+    expandable = AllocatorConf.from_environ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    result = run_doctor(DoctorConfig(allocator=expandable, **roots), cuda_driver=BoardDriver)
+    check = result.check("allocator config")
+    assert check.status == FAIL and "this shell: PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'" in check.detail
+    assert check.fix == "unset PYTORCH_CUDA_ALLOC_CONF" and not result.ok
+    # The service's environment: the environment file (or a drop-in) counts, and the fix names where to look.
+    env_file = Path(roots["root"]) / "etc/orin-omni/qwen3-omni.env"
+    env_file.write_text(env_file.read_text() + "PYTORCH_ALLOC_CONF=max_split_size_mb:64,expandable_segments:True\n")
+    check = run_doctor(DoctorConfig(allocator=NO_ALLOCATOR, **roots), cuda_driver=BoardDriver).check("allocator config")
+    assert check.status == FAIL and check.detail.startswith("the qwen3-omni service: PYTORCH_ALLOC_CONF=")
+    assert "/etc/orin-omni/qwen3-omni.env" in check.fix and "systemctl restart qwen3-omni" in check.fix
+    env_file.write_text(env_file.read_text().replace("expandable_segments:True", "expandable_segments:False"))
+    drop_in = Path(roots["root"]) / "etc/systemd/system/qwen3-omni.service.d/alloc.conf"
+    drop_in.parent.mkdir()
+    drop_in.write_text('[Service]\nEnvironment="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"\n')
+    assert run_doctor(DoctorConfig(allocator=NO_ALLOCATOR, **roots),
+                      cuda_driver=BoardDriver).check("allocator config").status == FAIL
+    drop_in.unlink()
+    assert run_doctor(DoctorConfig(allocator=NO_ALLOCATOR, **roots),
+                      cuda_driver=BoardDriver).check("allocator config").status == PASS
+    # Not a Jetson: a discrete GPU runs expandable segments, so nothing to check.
+    (tmp_path / "x").mkdir()
+    other = run_doctor(DoctorConfig(allocator=expandable, device="cpu", **board(tmp_path / "x")))
+    assert other.check("allocator config").status == SKIP and "not a Tegra device" in other.check("allocator config").detail
+
+
+class FakeLibCuda:
+    """libcuda.so.1's functions by their exported names, over ctypes arguments as LibCuda passes them: outputs
+    written through byref, calls recorded, and one call made to fail with CUDA_ERROR_OUT_OF_MEMORY."""
+
+    def __init__(self, fail: str = ""):
+        self.calls, self.fail, self.context = [], fail, 0
+
+    def __getattr__(self, name):
+        outputs = {"cuDeviceGet": 0, "cuDevicePrimaryCtxRetain": 0xC0, "cuDeviceGetAttribute": 1,
+                   "cuMemGetAllocationGranularity": 2 * MiB, "cuMemAddressReserve": 1 << 40, "cuMemCreate": 7,
+                   "cuMemAlloc_v2": 1 << 41}
+        names = {*outputs, "cuInit", "cuDeviceGetName", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
+                 "cuDevicePrimaryCtxRelease_v2", "cuMemAddressFree", "cuMemRelease", "cuMemFree_v2",
+                 "cuMemHostRegister_v2", "cuMemHostUnregister", "cuGetErrorName"}
+        if name not in names:
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, [getattr(a, "value", a) for a in args]))
+            if name == "cuGetErrorName":
+                args[1]._obj.value = b"CUDA_ERROR_OUT_OF_MEMORY"
+                return 0
+            if name == self.fail:
+                return 2
+            if name in outputs:
+                args[0]._obj.value = outputs[name]
+            if name == "cuDeviceGetName":
+                ctypes.memmove(args[0], b"Orin\0", 5)
+            return 0
+
+        return call
+
+
+def test_the_ctypes_driver_calls_libcuda_by_its_exported_names():
+    from orin.checks.cuda_driver import LibCuda
+
+    lib = FakeLibCuda()
+    driver = LibCuda(lib)
+    assert driver.name == "Orin" and driver.attribute(102) == 1 and driver.granularity() == 2 * MiB
+    ptr = driver.reserve(4 << 30)
+    driver.free_addresses(ptr, 4 << 30)
+    driver.release(driver.create(1 << 30))
+    driver.free(driver.alloc(1 << 30))
+    driver.host_register(0x1000, 4096)
+    driver.host_unregister(0x1000)
+    driver.close()
+    called = [name for name, _ in lib.calls]
+    assert called[:5] == ["cuInit", "cuDeviceGet", "cuDeviceGetName", "cuDevicePrimaryCtxRetain",
+                          "cuCtxPushCurrent_v2"]
+    assert called[-2:] == ["cuCtxPopCurrent_v2", "cuDevicePrimaryCtxRelease_v2"]
+    assert dict(lib.calls)["cuMemAddressReserve"][1] == 4 << 30 and dict(lib.calls)["cuMemRelease"] == [7]
+    assert dict(lib.calls)["cuMemHostRegister_v2"][:2] == [0x1000, 4096]
+    # A refusal comes back as CudaCallError with the driver's name for it; the probe reports it.
+    driver = LibCuda(FakeLibCuda(fail="cuMemAddressReserve"))
+    with pytest.raises(CudaCallError, match="cuMemAddressReserve failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        driver.reserve(4 << 30)
+    assert check_reservation(driver, ORIN.memory, 8 << 30).status == WARN

@@ -86,6 +86,21 @@ def test_values_from_reports():
     assert s['orin_up{model="tiny"}'] == 1
 
 
+def test_out_of_memory_answers_are_counted_by_when():
+    """Both kinds are always exposed (a dashboard's rate() needs the zero): allocations that failed while a request
+    ran, and requests admission refused until more memory is free."""
+    m = Metrics()
+    s = parse_metrics(_render(m))
+    assert s['orin_out_of_memory_total{when="running"}'] == 0 and s['orin_out_of_memory_total{when="admission"}'] == 0
+    m.out_of_memory(tried=True)
+    m.out_of_memory(tried=True)
+    m.out_of_memory(tried=False)
+    text = _render(m)
+    assert "# TYPE orin_out_of_memory_total counter" in text
+    s = parse_metrics(text)
+    assert s['orin_out_of_memory_total{when="running"}'] == 2 and s['orin_out_of_memory_total{when="admission"}'] == 1
+
+
 def test_unmeasured_report_fields_are_left_out():
     m = Metrics()
     m.generation(_report(ttft_s=None, first_audio_s=None, tokens_per_s=None), 0.5)

@@ -1,15 +1,21 @@
 """`orin-omni plan` and the runtime agree: on the quantized tiny model, at budgets from below the least a request
 runs in, through time-sliced, to all-resident, the planner's verdict for a request (the CPU profile, as
 `plan`'s auto picks on this machine) is the engine's own for the same request, and the engine refuses exactly
-where the planner says it does not fit."""
+where the planner says it does not fit. On a unified-memory profile the pinned staging buffers count in every
+stage, and a request whose largest single allocation is over the profile's ceiling is refused whatever the
+budget: by the plan and by the engine alike."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from orin.contract import GenerationRequest
+from orin.device.profile import CPU
 from orin.errors import BudgetError
-from orin.memory.plan import PlanConfig, make_plan
+from orin.memory.plan import PlanConfig, make_plan, plan_request
+from orin.memory.request_sizes import Request, pinned_host_bytes
 
 TEXT_TOKENS = 8
 
@@ -84,3 +90,65 @@ def test_the_engine_runs_where_the_plan_says_it_fits(quantized_dir, budgets, whe
         engine.close()
     assert audio is not None and len(audio) > 0
     assert 0 < report.peak_bytes <= budget
+
+
+# ---------------------------------------------------------------- unified memory and the allocation ceiling
+
+# A CPU profile that plans as the Orin does: pinned staging counted against the budget (unified memory), with
+# 1 MiB staging buffers (the tiny model's budgets are tens of MB), and a ceiling on one allocation.
+UNIFIED = replace(CPU, capabilities=replace(CPU.capabilities, unified_memory=True),
+                  memory=replace(CPU.memory, stage_bytes=1 << 20))
+
+
+def _plan_for(model: str, budget: int, profile):
+    sizes = make_plan(PlanConfig(model=model, device_profile="cpu")).sizes
+    req = Request(audio_seconds=0, images=1, image_size=224, text_tokens=TEXT_TOKENS, speech=True)
+    return plan_request(sizes, req, budget, profile, 4)[3]
+
+
+def _engine_with(model: str, budget: int, profile):
+    from orin.runtime.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model_dir=model, device="cpu", power_backend="none", budget=budget, profile=profile))
+
+
+def test_unified_memory_plans_the_pinned_staging_in_every_stage(quantized_dir):
+    discrete, unified = _plan_for(quantized_dir, 1 << 40, CPU), _plan_for(quantized_dir, 1 << 40, UNIFIED)
+    pinned = pinned_host_bytes(UNIFIED.memory)
+    assert pinned == 4 << 20
+    assert unified.all_resident_bytes == discrete.all_resident_bytes + pinned
+    assert unified.min_budget == discrete.min_budget + pinned
+    # at the discrete plan's least budget the unified one does not fit
+    assert not _plan_for(quantized_dir, discrete.min_budget, UNIFIED).time_sliced
+
+
+def test_the_engine_counts_the_pinned_staging_as_the_plan_does(quantized_dir):
+    least = _plan_for(quantized_dir, 1 << 40, UNIFIED).min_budget
+    planned = _plan_for(quantized_dir, least, UNIFIED)
+    assert planned.time_sliced and not _plan_for(quantized_dir, least - 1, UNIFIED).time_sliced
+    for budget in (least, least - 1):
+        engine = _engine_with(quantized_dir, budget, UNIFIED)
+        try:
+            if budget < least:
+                with pytest.raises(BudgetError, match="does not fit"):
+                    engine.plan(_request())
+                continue
+            got = engine.plan(_request()).verdict
+        finally:
+            engine.close()
+        assert (got.peak_bytes, got.min_budget, got.all_resident_bytes) == (
+            planned.peak_bytes, planned.min_budget, planned.all_resident_bytes)
+
+
+def test_the_engine_refuses_an_allocation_over_the_ceiling_as_the_plan_does(quantized_dir):
+    largest = _plan_for(quantized_dir, 1 << 40, UNIFIED).largest
+    assert largest.own  # the request's own, with 1 MiB staging buffers
+    ceiling = replace(UNIFIED, memory=replace(UNIFIED.memory, max_allocation_bytes=largest.bytes - 1))
+    planned = _plan_for(quantized_dir, 1 << 40, ceiling)
+    assert planned.over_ceiling
+    engine = _engine_with(quantized_dir, None, ceiling)
+    try:
+        with pytest.raises(BudgetError, match="cannot run on this device"):
+            engine.plan(_request())
+    finally:
+        engine.close()

@@ -498,6 +498,28 @@ def test_install_writes_unit_env_and_record(tmp_path, model_dir):
     assert plan.unit.model_dir == str(model_dir.resolve())
 
 
+def test_a_jetson_unit_never_sets_expandable_segments(tmp_path, model_dir):
+    """The allocator's expandable segments fail on Tegra and the engine refuses them there (orin.device.
+    allocator_conf): neither file of a Jetson's unit sets an allocator variable, and the environment systemd builds
+    from them passes the engine's start-up check; one line added by hand would not."""
+    from orin.checks.doctor import read_installed, service_environment
+    from orin.device.allocator_conf import VARIABLES, AllocatorConf, check_allocator
+
+    cfg = unit_config(platform="jetson", power_mode="MAXN", jetson_clocks=True)
+    for text in (render_unit(cfg), render_env(cfg)):
+        assert not [line for line in directives(text) if "expandable_segments" in line or "ALLOC_CONF" in line]
+    root = tmp_path / "root"
+    install(model_dir, root, [], platform="jetson")
+    env = service_environment(read_installed(str(root), "qwen3-omni"), str(root), "qwen3-omni")
+    assert env["TRITON_PTXAS_PATH"] == "/usr/local/cuda/bin/ptxas" and not set(VARIABLES) & set(env)
+    check_allocator(AllocatorConf.from_environ(env), unified_memory=True)
+    env_file = root / "etc/orin-omni/qwen3-omni.env"
+    env_file.write_text(env_file.read_text() + "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n")
+    env = service_environment(read_installed(str(root), "qwen3-omni"), str(root), "qwen3-omni")
+    with pytest.raises(UsageError, match="unset PYTORCH_CUDA_ALLOC_CONF"):
+        check_allocator(AllocatorConf.from_environ(env), unified_memory=True)
+
+
 def test_rerun_is_unchanged_and_touches_nothing(tmp_path, model_dir):
     root = tmp_path / "root"
     install(model_dir, root)

@@ -39,9 +39,11 @@ def _outcome(engine, req):
     return report, (report.token_ids, report.text, tuple(frames), samples.tobytes())
 
 
-def _engine(model_dir, budget=None):
+def _engine(model_dir, budget=None, **options):
+    """A CPU engine on `model_dir` under `budget`, with any other EngineConfig `options` (a profile, the weight
+    arenas' driver)."""
     return Engine(EngineConfig(model_dir=model_dir, device="cpu", power_backend="none", budget=budget,
-                               verify_checksums=False))
+                               verify_checksums=False, **options))
 
 
 def _assert_whole(engine):

@@ -2,7 +2,8 @@
 the same addresses when it comes back. The CUDA driver's calls are stood in for by the host's own virtual memory
 (mmap with no access reserves addresses; mprotect maps and unmaps them): the arena's bookkeeping, and the time-
 sliced loader's use of it, run as they do on a GPU; an access to memory the arena unmapped crashes the test, as it
-would fault on the device. On a GPU, tests/test_device_kernels.py runs them over the real driver."""
+would fault on the device. On a GPU, tests/test_device_kernels.py runs them over the real driver; what happens
+when the driver refuses is tests/test_arena_faults.py's."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 from orin import components as C
-from orin.memory import loader as loader_module
+from orin.device.profile import MemoryTuning
 from orin.memory.arena import ALIGN, Arenas
+from orin.memory.vmm_driver import VmmDriver
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -28,46 +30,77 @@ _MAP_NORESERVE = 0x4000
 _MADV_DONTNEED = 4
 
 
-class HostVmm:
-    """CudaVmm's calls over the host's address space, checking what the driver would refuse."""
+class HostVmm(VmmDriver):
+    """CudaVmm's calls over the host's address space, checking what the driver would refuse, with a record of
+    every call made (`calls`: (name, bytes), in order). Mapped memory becomes accessible only once its access is
+    set, as on the device; `map` and `unmap` are VmmDriver's own, as CudaVmm's are."""
 
     granularity = mmap.PAGESIZE
     device = torch.device("cpu")
 
     def __init__(self):
-        self.reserved: dict[int, int] = {}
-        self.maps: dict[int, int] = {}  # address -> bytes mapped there
-        self.calls = {"map": 0, "unmap": 0, "reserve": 0}
+        self.reserved: dict[int, int] = {}  # address -> bytes reserved there
+        self.handles: dict[int, int] = {}  # physical memory created and not released: handle -> bytes
+        self.maps: dict[int, tuple[int, int]] = {}  # address -> (bytes, handle) mapped there
+        self.accessible: set[int] = set()  # addresses of the maps whose access is set
+        self.calls: list[tuple[str, int]] = []
+        self._handle = 0
+
+    def count(self, call: str) -> int:
+        return sum(name == call for name, _ in self.calls)
 
     def reserve(self, size: int) -> int:
-        assert size % self.granularity == 0
+        assert size > 0 and size % self.granularity == 0
         ptr = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         assert ptr not in (None, ctypes.c_void_p(-1).value)
         self.reserved[ptr] = size
-        self.calls["reserve"] += 1
+        self.calls.append(("cuMemAddressReserve", size))
         return ptr
 
     def free_addresses(self, ptr: int, size: int) -> None:
         assert self.reserved.pop(ptr) == size
         assert not any(ptr <= m < ptr + size for m in self.maps), "addresses freed while mapped"
         _libc.munmap(ptr, size)
+        self.calls.append(("cuMemAddressFree", size))
 
-    def map(self, ptr: int, size: int) -> int:
-        assert size % self.granularity == 0 and ptr % self.granularity == 0
+    def mem_create(self, size: int) -> int:
+        assert size > 0 and size % self.granularity == 0
+        self._handle += 1
+        self.handles[self._handle] = size
+        self.calls.append(("cuMemCreate", size))
+        return self._handle
+
+    def mem_map(self, ptr: int, size: int, handle: int) -> None:
+        assert size % self.granularity == 0 and ptr % self.granularity == 0 and self.handles[handle] == size
         assert any(b <= ptr and ptr + size <= b + s for b, s in self.reserved.items()), "outside a reservation"
-        assert not any(m < ptr + size and ptr < m + s for m, s in self.maps.items()), "mapped twice"
-        assert _libc.mprotect(ptr, size, mmap.PROT_READ | mmap.PROT_WRITE) == 0
-        self.maps[ptr] = size
-        self.calls["map"] += 1
-        return ptr
+        assert not any(m < ptr + size and ptr < m + s for m, (s, _) in self.maps.items()), "mapped twice"
+        assert all(h != handle for _, h in self.maps.values()), "a handle mapped twice"
+        self.maps[ptr] = (size, handle)
+        self.calls.append(("cuMemMap", size))
 
-    def unmap(self, ptr: int, size: int, handle: int) -> None:
-        assert self.maps.pop(ptr) == size and handle == ptr
+    def mem_set_access(self, ptr: int, size: int) -> None:
+        assert self.maps[ptr][0] == size
+        assert _libc.mprotect(ptr, size, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        self.accessible.add(ptr)
+        self.calls.append(("cuMemSetAccess", size))
+
+    def mem_unmap(self, ptr: int, size: int) -> None:
+        assert self.maps.pop(ptr)[0] == size
         _libc.madvise(ptr, size, _MADV_DONTNEED)  # the contents go, as the device's would
         assert _libc.mprotect(ptr, size, _PROT_NONE) == 0
-        self.calls["unmap"] += 1
+        self.accessible.discard(ptr)
+        self.calls.append(("cuMemUnmap", size))
+
+    def mem_release(self, handle: int) -> None:
+        assert all(h != handle for _, h in self.maps.values()), "released while mapped"
+        self.calls.append(("cuMemRelease", self.handles.pop(handle)))
 
     def tensor(self, ptr: int, nbytes: int, owner: object) -> torch.Tensor:
+        at = ptr  # the bytes are mapped and accessible, piece after piece
+        for m in sorted(self.maps):
+            if m <= at < m + self.maps[m][0] and m in self.accessible:
+                at = m + self.maps[m][0]
+        assert at >= ptr + nbytes, "a tensor over memory not mapped"
         buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
         buf.owner = owner  # the tensor keeps the buffer, the buffer the owner
         return torch.frombuffer(buf, dtype=torch.uint8)
@@ -77,12 +110,25 @@ class HostVmm:
 
     @property
     def mapped(self) -> int:
-        return sum(self.maps.values())
+        return sum(size for size, _ in self.maps.values())
+
+    def assert_whole(self) -> None:
+        """Nothing half-mapped: every handle created and not released is mapped, and every map accessible."""
+        assert sorted(self.handles) == sorted(h for _, h in self.maps.values()), (self.handles, self.maps)
+        assert set(self.maps) == self.accessible
+
+    def assert_empty(self) -> None:
+        assert self.reserved == {} and self.maps == {} and self.handles == {}
+
+
+def _arenas(vmm, **memory) -> Arenas:
+    """Arenas over `vmm` with the default profile's bounds (none), or those given."""
+    return Arenas(vmm, MemoryTuning(**memory))
 
 
 def test_a_unit_loaded_again_lands_where_it_was_and_its_memory_goes_when_it_does():
     vmm = HostVmm()
-    arenas = Arenas(vmm)
+    arenas = _arenas(vmm)
     arena = arenas.of("thinker.layers.0")
     arena.begin(300 << 10)
     a = arena.take(1000)
@@ -92,21 +138,24 @@ def test_a_unit_loaded_again_lands_where_it_was_and_its_memory_goes_when_it_does
     assert arena.adopt(b) is b  # already there: not copied again
     where = (a.data_ptr(), b.data_ptr())
     assert vmm.mapped == arenas.mapped == arenas.peak >= 201_000
+    assert arenas.reserved == sum(vmm.reserved.values()) > 0
     del a, b
     arena.release()
     assert vmm.mapped == arenas.mapped == 0 and arenas.peak > 0
     arena.begin(0)  # the last load's size is mapped at once
-    maps = vmm.calls["map"]
+    maps = vmm.count("cuMemMap")
     again = (arena.take(1000), arena.adopt(torch.zeros(50_000)))
-    assert (again[0].data_ptr(), again[1].data_ptr()) == where and vmm.calls["map"] == maps
-    assert vmm.calls["reserve"] == 1
+    assert (again[0].data_ptr(), again[1].data_ptr()) == where and vmm.count("cuMemMap") == maps
+    assert vmm.count("cuMemAddressReserve") == 1
+    vmm.assert_whole()
     del again
     arenas.close()
-    assert vmm.reserved == {} and vmm.maps == {}
+    vmm.assert_empty()
+    assert arenas.reserved == arenas.mapped == 0
 
 
 def test_memory_a_tensor_still_reads_is_not_unmapped():
-    arenas = Arenas(HostVmm())
+    arenas = _arenas(HostVmm())
     arena = arenas.of("code2wav")
     arena.begin(1 << 20)
     kept = arena.take(4096)[:16]  # a view keeps the whole load mapped
@@ -119,41 +168,44 @@ def test_memory_a_tensor_still_reads_is_not_unmapped():
     assert arenas.mapped == 0
 
 
-def test_a_load_larger_than_expected_maps_more_and_one_past_its_addresses_spills_once():
+def test_a_load_past_its_reservation_gets_another_range_and_keeps_it():
+    """An estimate far under what comes: what does not fit the addresses reserved goes to a range reserved then
+    (no tensor straddling two), and the next load, asking in the same order, lands where this one did."""
     vmm = HostVmm()
-    arenas = Arenas(vmm)
+    arenas = _arenas(vmm, reserve_factor=1.0, reserve_slack=0)
     arena = arenas.of("talker.rest")
     arena.begin(64 << 10)  # an estimate far under what comes
+    (first_base, first_size), = arena.ranges
+    small = arena.take(16 << 10)
     big = arena.take(3 << 20)
     big.fill_(7)
-    assert vmm.mapped >= 3 << 20 and arena.holds(big)
-    past = arena.take(arena.size)  # past the addresses reserved: the allocator's memory, this once
-    assert not arena.holds(past) and past.numel() == arena.size
-    assert not arena.holds(arena.adopt(torch.ones(8)))
+    assert len(arena.ranges) == 2 and vmm.count("cuMemAddressReserve") == 2
+    assert first_base <= small.data_ptr() and small.data_ptr() + (16 << 10) <= first_base + first_size
+    base, size = arena.ranges[1]
+    assert base <= big.data_ptr() and big.data_ptr() + (3 << 20) <= base + size  # wholly in the new range
+    assert arena.holds(small) and arena.holds(big) and arena.fallback is None
     with pytest.raises(RuntimeError, match="loaded again before it was released"):
         arena.begin(1)
-    size = arena.size
-    del big, past
+    where = (small.data_ptr(), big.data_ptr())
+    del small, big
     arena.release()
-    arena.begin(64 << 10)  # the next load has addresses enough for all of it
-    assert arena.size > size
-    again = (arena.take(3 << 20), arena.take(size))
-    assert all(arena.holds(t) for t in again)
+    arena.begin(0)
+    again = (arena.take(16 << 10), arena.take(3 << 20))
+    assert tuple(t.data_ptr() for t in again) == where and vmm.count("cuMemAddressReserve") == 2
     del again
     arenas.close()
+    vmm.assert_empty()
 
 
 def test_memory_asked_for_outside_a_load_is_refused():
-    arena = Arenas(HostVmm()).of("vision_encoder")
+    arena = _arenas(HostVmm()).of("vision_encoder")
     with pytest.raises(RuntimeError, match="outside a load"):
         arena.take(10)
 
 
 @pytest.fixture()
-def host_arenas(monkeypatch):
-    vmm = HostVmm()
-    monkeypatch.setattr(loader_module, "driver_for", lambda device: vmm)
-    return vmm
+def host_arenas():
+    return HostVmm()
 
 
 def test_time_sliced_weights_live_in_their_arenas_and_come_back_at_their_addresses(quantized_dir, host_arenas):
@@ -169,7 +221,7 @@ def test_time_sliced_weights_live_in_their_arenas_and_come_back_at_their_address
     finally:
         reference.close()
     budget = max(v.min_budget for v in plans.values())
-    engine = _engine(quantized_dir, budget)
+    engine = _engine(quantized_dir, budget, arena_driver=lambda device: host_arenas)
     try:
         loader = engine.loader
         units = [u for c in C.NAMES for u in loader.units(c)]
@@ -195,6 +247,8 @@ def test_time_sliced_weights_live_in_their_arenas_and_come_back_at_their_address
             before = resident
             assert host_arenas.mapped == loader._arenas.mapped
             assert loader._arenas.mapped >= sum(loader.unit_sizes()[u] for u in resident)
+            host_arenas.assert_whole()
+        assert loader._arenas.on_the_fallback() == ()
         # Units loaded three times or more: after the first reload (converted the first time, read from the
         # packed copy since) they always land at the same addresses.
         again = [u for u in units if loads[u] >= 3]
@@ -203,7 +257,7 @@ def test_time_sliced_weights_live_in_their_arenas_and_come_back_at_their_address
             assert len(places[unit]) <= 2, (unit, len(places[unit]))
     finally:
         engine.close()
-    assert host_arenas.maps == {} and host_arenas.reserved == {}
+    host_arenas.assert_empty()
 
 
 def _unit_tensors(loader, unit):

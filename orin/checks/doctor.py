@@ -1,9 +1,11 @@
-"""`orin-omni doctor`: the first command on a new board. One pass/fail/skip line per check (the checks live in
-orin.checks.doctor_checks), each failure with its fix; `ok` is false when any check failed (a skip is no failure).
+"""`orin-omni doctor`: the first command on a new board. One pass/warn/fail/skip line per check (the checks live in
+orin.checks.doctor_checks, the memory probes in orin.checks.doctor_memory), each failure and warning with its fix;
+`ok` is false when any check failed (a warning or a skip is no failure).
 
 It reads what install-service left behind (the unit, its environment file and install record under `root`), so
 on an installed board `orin-omni doctor` alone checks the model directory, user and budget the service uses.
-Roots (/sys, /proc, the unit directory's /) are parameters, so the tests run every check on tmp trees.
+Roots (/sys, /proc, the unit directory's /) are parameters, and the CUDA driver the memory probes ask comes from an
+opener, so the tests run every check on tmp trees and stand-in drivers.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..device.allocator_conf import AllocatorConf, process_allocator_conf
 from ..device.profile import CPU, ORIN, DeviceProfile
 from ..errors import OrinError, UsageError
 from ..power.backends import JTOP_SOCKET
@@ -30,10 +34,12 @@ from ..service.unit import (
     size_text,
     under_root,
 )
+from .cuda_driver import CudaDriver, open_driver
 from .doctor_checks import (
     FAIL,
     PASS,
     SKIP,
+    WARN,
     Check,
     Runner,
     check_access,
@@ -51,8 +57,9 @@ from .doctor_checks import (
     check_triton,
     read_meminfo,
 )
+from .doctor_memory import check_allocator_conf, check_l4t_release, driver_checks, environment_fix, service_env_fix
 
-__all__ = ["FAIL", "PASS", "SKIP", "Check", "DoctorConfig", "DoctorResult", "render_table", "run_doctor"]
+__all__ = ["FAIL", "PASS", "SKIP", "WARN", "Check", "DoctorConfig", "DoctorResult", "render_table", "run_doctor"]
 
 DEFAULT_NAME = "qwen3-omni"
 DEFAULT_USER = "orin-omni"
@@ -72,6 +79,9 @@ class DoctorConfig:
     sysfs_root: str = "/sys"
     proc_root: str = "/proc"
     jtop_socket: str = JTOP_SOCKET
+    # The allocator configuration of the shell doctor runs in; None: this process's environment's, read at the one
+    # place orin-omni reads it (orin.device.allocator_conf.process_allocator_conf).
+    allocator: AllocatorConf | None = None
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -145,6 +155,43 @@ def read_installed(root: str, name: str) -> Installed:
         record = None
     unit = under_root(root, f"{UNIT_DIR}/{name}.service")
     return Installed(unit=unit, unit_text=_read_text(unit), env=env, record=record if isinstance(record, dict) else None)
+
+
+def _assignments(line_value: str) -> dict[str, str]:
+    """The VAR=value pairs of one Environment= line (quoted as systemd quotes them; shell rules are close enough)."""
+    try:
+        words = shlex.split(line_value)
+    except ValueError:
+        return {}
+    return dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def service_environment(installed: Installed, root: str, name: str) -> dict[str, str]:
+    """What the service's process is given: the unit's Environment= lines, its drop-ins' (in name order), then
+    the EnvironmentFile= (whose settings override Environment=, as in systemd)."""
+    env: dict[str, str] = {}
+    texts = [installed.unit_text or ""]
+    drop_ins = under_root(root, f"{UNIT_DIR}/{name}.service.d")
+    texts += [_read_text(p) or "" for p in sorted(drop_ins.glob("*.conf"))] if drop_ins.is_dir() else []
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("Environment="):
+                env.update(_assignments(line.partition("=")[2]))
+    env.update(installed.env)
+    return env
+
+
+def allocator_sources(cfg: DoctorConfig, installed: Installed) -> list[tuple[str, AllocatorConf, str]]:
+    """Where the allocator's configuration comes from: this shell (what a command run by hand gets), and the
+    installed service's environment; each with how to fix it there."""
+    shell = cfg.allocator if cfg.allocator is not None else process_allocator_conf()
+    sources = [("this shell", shell, environment_fix(shell))]
+    if installed.unit_text is not None:
+        service = AllocatorConf.from_environ(service_environment(installed, cfg.root, cfg.name))
+        env_file = f"{CONFIG_DIR}/{cfg.name}.env"
+        sources.append((f"the {cfg.name} service", service,
+                        service_env_fix((s.variable for s in service.expandable), env_file, cfg.name)))
+    return sources
 
 
 def _interpreter(installed: Installed) -> str:
@@ -271,13 +318,16 @@ def _import_torch():
     return torch, None
 
 
-def _profile(torch, cuda_ok: bool, jetson: bool) -> DeviceProfile:
+def _profile(torch, cuda_ok: bool, jetson: bool, allocator: AllocatorConf) -> DeviceProfile:
     """The profile the engine would run with: probed where CUDA works, else the board's kind assumed (an Orin
     whose CUDA is broken is still planned as an Orin) or the CPU's."""
     from ..device.capabilities import detect
 
     if torch is not None and cuda_ok:
-        return detect(torch.device("cuda"))
+        try:
+            return detect(torch.device("cuda"), allocator=allocator)
+        except UsageError:  # an allocator setting the engine refuses here: the allocator check reports it
+            return ORIN
     return ORIN if jetson else CPU
 
 
@@ -309,14 +359,16 @@ def _budget(cfg: DoctorConfig, installed: Installed) -> tuple[int, str | None]:
 
 
 def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: str, budget: int, torch,
-                  interpreter: str, profile: DeviceProfile) -> list[Check]:
+                  interpreter: str, profile: DeviceProfile) -> tuple[list[Check], object]:
+    """The model's checks, and the plan of the standard request (None where there is none)."""
     model_check, manifest = check_model_dir(model_dir, source)
     checks = [model_check]
     meminfo = read_meminfo(cfg.proc_root)
+    plan = None
     if manifest is None:
         checks.append(check_memory(meminfo, None, budget, None, None))
         why = "no usable model directory (see model dir)"
-        return checks + [Check(name, SKIP, why) for name in ("checksums", "disk", "model access")]
+        return checks + [Check(name, SKIP, why) for name in ("checksums", "disk", "model access")], None
     checks.append(check_checksums(model_dir, manifest))
     if torch is None:
         checks.append(Check("memory", SKIP, "the planner needs torch (see torch)"))
@@ -328,11 +380,20 @@ def _model_checks(cfg: DoctorConfig, model_dir: str | None, source: str, user: s
         checks.append(check_memory(meminfo, plan, budget, plan_error, model_dir, profile.name))
     checks.append(check_disk(model_dir))
     checks.append(check_access(model_dir, user, interpreter))
-    return checks
+    return checks, plan
 
 
-def run_doctor(cfg: DoctorConfig, *, run: Runner = subprocess.run) -> DoctorResult:
-    """Run every check; never raises for what it finds (only for a bad configuration)."""
+def _largest_allocation(plan) -> tuple[int, str] | None:
+    """(bytes, what) of the largest single allocation the plan's request makes (orin.memory.plan's verdict), or
+    None without a plan."""
+    largest = plan.verdict.largest if plan is not None else None
+    return (largest.bytes, largest.what) if largest is not None else None
+
+
+def run_doctor(cfg: DoctorConfig, *, run: Runner = subprocess.run,
+               cuda_driver: Callable[[], CudaDriver] = open_driver) -> DoctorResult:
+    """Run every check; never raises for what it finds (only for a bad configuration). `cuda_driver` opens the
+    driver the memory probes ask (orin.checks.cuda_driver; tests pass a stand-in)."""
     installed = read_installed(cfg.root, cfg.name)
     if cfg.model_dir is not None:
         model_dir, source = str(Path(cfg.model_dir).expanduser()), "--model-dir"
@@ -362,8 +423,14 @@ def run_doctor(cfg: DoctorConfig, *, run: Runner = subprocess.run) -> DoctorResu
     checks.append(check_nvpmodel(str(under_root(cfg.root, nvpmodel)) if nvpmodel else None, jetson, run))
     checks += check_power_backends(cfg.sysfs_root, cfg.jtop_socket, jetson)
 
-    profile = _profile(torch, cuda_ok, jetson)
-    checks += _model_checks(cfg, model_dir, source, user, budget, torch, _interpreter(installed), profile)
+    sources = allocator_sources(cfg, installed)
+    profile = _profile(torch, cuda_ok, jetson, sources[0][1])
+    model_checks, plan = _model_checks(cfg, model_dir, source, user, budget, torch, _interpreter(installed), profile)
+    checks += model_checks
+    checks.append(check_allocator_conf(sources, jetson or profile.capabilities.unified_memory))
+    checks.append(check_l4t_release(under_root(cfg.root, "/etc/nv_tegra_release"),
+                                    profile.memory.max_allocation_bytes))
+    checks += driver_checks(cuda_driver, cfg.device, profile.memory, budget, _largest_allocation(plan), model_dir)
     checks += check_unit(cfg, installed, model_dir, user, run)
     return DoctorResult(checks=tuple(checks), model_dir=model_dir, user=user, budget=budget,
                         notes=(budget_note,) if budget_note else (), profile=profile)
@@ -376,13 +443,13 @@ def render_table(result: DoctorResult) -> str:
     lines = ["orin-omni doctor" + (f": {result.model_dir}" if result.model_dir else "")]
     for check, (a, b, c) in zip((None, *result.checks), rows, strict=True):
         lines.append(f"{a:<{w0}}  {b:<{w1}}  {c}")
-        if check is not None and check.status == FAIL and check.fix:
+        if check is not None and check.status in (FAIL, WARN) and check.fix:
             lines += [f"{'':<{w0}}  {'':<{w1}}  fix: {fix}" for fix in check.fix.splitlines()]
     lines += [f"note: {note}" for note in result.notes]
     if result.profile is not None:
         lines += result.profile.render().splitlines()
-    failed = sum(c.status == FAIL for c in result.checks)
-    skipped = sum(c.status == SKIP for c in result.checks)
-    passed = len(result.checks) - failed - skipped
-    lines.append(f"{'OK' if result.ok else 'FAILED'}: {passed} passed, {failed} failed, {skipped} skipped")
+    count = {status: sum(c.status == status for c in result.checks) for status in (PASS, WARN, FAIL, SKIP)}
+    warned = f", {count[WARN]} warned" if count[WARN] else ""
+    lines.append(f"{'OK' if result.ok else 'FAILED'}: {count[PASS]} passed{warned}, {count[FAIL]} failed, "
+                 f"{count[SKIP]} skipped")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
-"""The checks behind `orin-omni doctor`, one small function each. Every check returns a `Check` (pass, fail or
-skip) and never raises for what it finds: a failure carries its fix, the exact command or action. torch is
-imported inside the checks that need it, so a board without torch still gets a report (saying how to install it).
+"""The checks behind `orin-omni doctor`, one small function each. Every check returns a `Check` (pass, warn, fail
+or skip) and never raises for what it finds: a failure or a warning carries its fix, the exact command or action.
+torch is imported inside the checks that need it, so a board without torch still gets a report (saying how to
+install it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from ..errors import OrinError
 from ..service.unit import size_text
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
+
+# The doctor's fourth status: it works, but something named is known to go wrong on this board (the fix says what
+# to do, or that nothing is needed now). No failure: `doctor` still exits 0.
+WARN = "warn"
 
 # What orin-omni supports: Python 3.10 (JetPack 6) to 3.13, torch from 2.8 (the INT4 MoE prefill falls back to
 # torch._grouped_mm, which 2.8 brought). Bounds are inclusive (major, minor); None = no upper bound.

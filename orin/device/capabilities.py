@@ -1,6 +1,7 @@
 """The device's capabilities, probed once when an engine starts, and the profile built from them
 (orin.device.profile). Each probe runs a tiny problem and compares it with a reference; a probe that fails
-means that capability is off (one log line), never a failure of the engine."""
+means that capability is off (one log line), never a failure of the engine. One thing does stop the engine: an
+allocator configuration the device cannot run (orin.device.allocator_conf), refused before any probe allocates."""
 
 from __future__ import annotations
 
@@ -8,19 +9,22 @@ import importlib.util
 import logging
 from pathlib import Path
 
+from .allocator_conf import AllocatorConf, check_allocator, process_allocator_conf
 from .profile import DeviceProfile, for_arch
 
 log = logging.getLogger("orin.device")
 
 
-def detect(device, dtype=None) -> DeviceProfile:
-    """The profile of `device` (a torch.device) with its capabilities probed: the engine's one call."""
+def detect(device, dtype=None, allocator: AllocatorConf | None = None) -> DeviceProfile:
+    """The profile of `device` (a torch.device) with its capabilities probed: the engine's one call. `allocator`:
+    the caching allocator's configuration to check (None: this process's environment's); a UsageError where the
+    device cannot run it."""
     import torch
 
     if device.type != "cuda":  # torch._grouped_mm runs on the CPU too in newer torch
         return for_arch(cuda=False).with_capabilities(grouped_mm=grouped_mm_works(device, dtype or torch.float32))
     capability = torch.cuda.get_device_capability(device)
-    base = for_arch(cuda=True, capability=capability, tegra=is_tegra())
+    base = cuda_base_profile(capability, is_tegra(), allocator if allocator is not None else process_allocator_conf())
     dtype = dtype or torch.bfloat16
     profile = base.with_capabilities(
         cuda=True,
@@ -32,6 +36,14 @@ def detect(device, dtype=None) -> DeviceProfile:
     )
     torch.cuda.empty_cache()  # the probes' blocks: what the engine then holds is its own (a budget counts it)
     return profile
+
+
+def cuda_base_profile(capability: tuple[int, int], tegra: bool, allocator: AllocatorConf) -> DeviceProfile:
+    """The base profile of a CUDA device, once its allocator configuration is known to run there (a Tegra
+    device's unified memory refuses expandable segments: orin.device.allocator_conf)."""
+    base = for_arch(cuda=True, capability=capability, tegra=tegra)
+    check_allocator(allocator, base.capabilities.unified_memory)
+    return base
 
 
 def is_tegra(root: str = "/") -> bool:

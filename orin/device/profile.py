@@ -289,8 +289,10 @@ ORIN_NOTES = (
                                      "with 20-34 GB free while 8 GiB works (llama.cpp issue 29142; Orin Nano on "
                                      "JetPack 7.2: audio.cpp issue 12); half the largest size reported to work"),
     ("memory.reserve_factor, reserve_slack, reserve_headroom_bytes",
-     "1.25 / 64 MiB / 4 GiB: the total reserved stays near the budget (the H200's 2x + 256 MiB a unit was tens of "
-     "GiB); 4 GiB over the budget is room for one more reservation of the largest size allowed"),
+     "1.1 / 16 MiB / 4 GiB: a unit loads the same bytes each time, so 10% covers the first load's estimate; over the "
+     "~74 units of the real model's 20 GiB that is ~3.2 GiB more addresses than weights, under the 4 GiB of headroom "
+     "over the budget (room for one more reservation of the largest size allowed), where the H200's 2x + 256 MiB a "
+     "unit was tens of GiB"),
     ("memory.max_allocation_bytes", "1 GiB: L4T 36.4.7+ (the NvMap fix for CVE-2025-33177) refuses large single "
                                     "cudaMallocs with NvMapMemAllocInternalTagged error 12 (llama.cpp PR 23732), at "
                                     "no published size; the model's largest tensor (the embedding, 594 MiB in BF16) "
@@ -302,7 +304,7 @@ ORIN_NOTES = (
 ORIN = DeviceProfile(
     name="orin", description="NVIDIA Jetson AGX Orin 64GB (sm_87, 16 SMs, unified memory)",
     capabilities=Capabilities(cuda=True, triton=True, flash_lower_right=True, unified_memory=True),
-    memory=MemoryTuning(reserve_factor=1.25, reserve_slack=64 << 20, max_reservation_bytes=4 << 30,
+    memory=MemoryTuning(reserve_factor=1.1, reserve_slack=16 << 20, max_reservation_bytes=4 << 30,
                         reserve_headroom_bytes=4 << 30, max_allocation_bytes=1 << 30),
     sms=16, sm_clock_ghz=1.3, notes=ORIN_NOTES,
 )

@@ -7,254 +7,221 @@ torch's caching allocator cannot do both: a block freed into the common pool is 
 pool of the weights' own (torch.cuda.MemPool) keeps every block it ever held until the pool itself goes. With
 weights in their own pool, the bench's 18 GiB engine held 22.4 GiB from the driver (a 4.4 GiB excess).
 
-So each unit gets a range of virtual addresses of its own, reserved once, and physical memory is mapped into it
+So each unit gets ranges of virtual addresses of its own, reserved once, and physical memory is mapped into them
 while the unit is loaded and unmapped (returned to the driver) when it is evicted, through CUDA's virtual memory
-management (cuMemAddressReserve, cuMemCreate, cuMemMap). The tensors handed out are bumped from the range's
-start in the order they are asked for: a unit loaded the same way lands where it was. This is the scheme vLLM's
-sleep mode uses, without a compiled extension: the driver is reached through ctypes and the memory wrapped as
-tensors through __cuda_array_interface__.
+management (orin.memory.vmm_driver). The tensors handed out are bumped from the first range's start in the order
+they are asked for, never across two ranges: a unit loaded the same way lands where it was. This is the scheme
+vLLM's sleep mode uses, without a compiled extension.
 
-Where the driver lacks virtual memory management (`driver_for` returns None) the loader falls back to a memory
-pool of the weights' own (orin.memory.loader.Loader.weights_memory).
+Tegra grants less than a discrete GPU's driver (docs/architecture.md, the profile's ORIN_NOTES), so the device
+profile's MemoryTuning bounds what is asked for: each reservation (`max_reservation_bytes`: a larger unit gets
+several ranges), all of them together (the budget plus `reserve_headroom_bytes`: past it the addresses of units
+not loaded are given back first, then a reservation only as large as the unit) and each piece of physical memory
+(`max_allocation_bytes`: one cuMemCreate a piece). Where a call fails or would pass a bound, at a unit's first
+load, a later one or while it grows, that unit's weights come from the allocator (torch.empty on the device) for
+the rest of the process, with one warning: a driver that refused once (Tegra's NvMap fragmentation lasts until a
+reboot) is not asked again at every swap, and the unit's memory is then the allocator's, counted by it and given
+back by the loader's trims. Tensors handed out before the failure stay where they are until the unit goes.
+
+Where the driver lacks virtual memory management altogether (`driver_for` returns None) the loader has no arenas
+and uses a memory pool of the weights' own instead (orin.memory.loader.Loader.weights_memory).
 """
 
 from __future__ import annotations
 
-import ctypes
+import gc
 import logging
 import threading
 import weakref
-from functools import cache
+from collections.abc import Callable
 
 import torch
+
+from ..device.profile import MemoryTuning
+from .vmm_driver import DriverError, VmmDriver
 
 log = logging.getLogger("orin.memory.arena")
 # Tensors start on this boundary (the caching allocator's own): vectorised kernels read 16 bytes at a time.
 ALIGN = 512
-# A unit's range of addresses: its expected bytes times this, plus SLACK (addresses cost nothing; a unit that
-# outgrows its range is given a new one, and its graphs are captured again).
-RESERVE_FACTOR = 2
-SLACK = 256 << 20
 # Where a load outgrows what was mapped for it, the next this many bytes are mapped at once.
 GROW = 8 << 20
-
-_CU_MEM_ALLOCATION_TYPE_PINNED = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-class DriverError(RuntimeError):
-    """A CUDA driver call failed (its name and error code in the message)."""
-
-
-class CudaVmm:
-    """The few CUDA driver calls of virtual memory management, for one device."""
-
-    def __init__(self, lib: ctypes.CDLL, index: int):
-        self._lib = lib
-        self.index = index
-        self._prop = _AllocationProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED,
-                                     location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, index))
-        self._access = _AccessDesc(location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, index),
-                                   flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-        granularity = ctypes.c_size_t()
-        self._call("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self._prop),
-                   ctypes.c_int(0))
-        self.granularity = granularity.value
-        self.device = torch.device("cuda", index)
-
-    def _call(self, name: str, *args) -> None:
-        code = getattr(self._lib, name)(*args)
-        if code != 0:
-            raise DriverError(f"{name} failed with CUDA driver error {code}")
-
-    def reserve(self, size: int) -> int:
-        ptr = ctypes.c_uint64()
-        self._call("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                   ctypes.c_uint64(0), ctypes.c_ulonglong(0))
-        return ptr.value
-
-    def free_addresses(self, ptr: int, size: int) -> None:
-        self._call("cuMemAddressFree", ctypes.c_uint64(ptr), ctypes.c_size_t(size))
-
-    def map(self, ptr: int, size: int) -> int:
-        """Physical memory of `size` bytes mapped at `ptr`, readable and writable by the device: its handle."""
-        handle = ctypes.c_uint64()
-        self._call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self._prop),
-                   ctypes.c_ulonglong(0))
-        try:
-            self._call("cuMemMap", ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), handle,
-                       ctypes.c_ulonglong(0))
-        except DriverError:
-            self._call("cuMemRelease", handle)
-            raise
-        try:
-            self._call("cuMemSetAccess", ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(self._access),
-                       ctypes.c_size_t(1))
-        except DriverError:
-            self.unmap(ptr, size, handle.value)
-            raise
-        return handle.value
-
-    def unmap(self, ptr: int, size: int, handle: int) -> None:
-        self._call("cuMemUnmap", ctypes.c_uint64(ptr), ctypes.c_size_t(size))
-        self._call("cuMemRelease", ctypes.c_uint64(handle))
-
-    def tensor(self, ptr: int, nbytes: int, owner: object) -> torch.Tensor:
-        """A uint8 tensor over `nbytes` at `ptr`, keeping `owner` alive while it (or a view of it) lives."""
-        return torch.as_tensor(_Interface(ptr, nbytes, owner), device=self.device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.index)
-
-
-class _Interface:
-    """__cuda_array_interface__ over device memory torch did not allocate; torch keeps the object (and through
-    it the owner) alive as long as the tensor made from it."""
-
-    def __init__(self, ptr: int, nbytes: int, owner: object):
-        self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
-@cache
-def _vmm(index: int) -> CudaVmm | None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        log.info("no CUDA driver library to map weights with (%s); weights use a memory pool", exc)
-        return None
-    supported = ctypes.c_int()
-    device = ctypes.c_int()
-    if (lib.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)) != 0
-            or lib.cuDeviceGetAttribute(ctypes.byref(supported),
-                                        _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != 0
-            or not supported.value):
-        log.info("CUDA device %d has no virtual memory management; weights use a memory pool", index)
-        return None
-    try:
-        return CudaVmm(lib, index)
-    except (DriverError, AttributeError) as exc:
-        log.info("CUDA virtual memory management unusable on device %d (%s); weights use a memory pool", index, exc)
-        return None
-
-
-def driver_for(device: torch.device) -> CudaVmm | None:
-    """The device's virtual memory management, or None (not CUDA, or a driver without it)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.init()  # the driver calls need the primary context torch makes current
-    return _vmm(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _detached(exc: BaseException) -> BaseException:
+    """`exc` (and the errors it was raised from or while handling) without its traceback. A traceback holds the
+    frames the error passed through and, through each frame's caller, the whole stack of the load that was under
+    way, with every local as it was when that frame returned: kept as a unit's `fallback` for the rest of the
+    process, it kept those locals alive too. Where the error came from a `take` under an `adopt`, one was the
+    very tensor the unit kept (an INT4 module's buffer: still referenced when the unit was evicted); from one
+    under a block read, the block every tensor of the batch is a view of (allocator memory never freed)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return exc
+
+
 class _Generation:
-    """What one load of a unit handed out: every tensor of it keeps this alive (through _Interface.owner), so a
-    weak reference to it says whether anything still reads the memory."""
+    """What one load of a unit handed out: every tensor of it keeps this alive (through the driver's tensor's
+    owner), so a weak reference to it says whether anything still reads the memory."""
 
 
-class UnitArena:
-    """One unit's range of addresses; physical memory mapped into it while the unit is loaded."""
+class _Range:
+    """One reservation of a unit's addresses: physical memory mapped from its start (`chunks`), and the bytes the
+    load under way has handed out from it (`used`)."""
 
-    def __init__(self, driver, arenas: Arenas, name: str):
-        self._driver = driver
-        self._arenas = arenas
-        self.name = name
-        self.base = 0
-        self.size = 0  # addresses reserved
-        self._chunks: list[tuple[int, int, int]] = []  # (address, bytes, handle), in address order
-        self._offset = 0
-        self._last = 0  # bytes the last load took: what the next one maps at once
-        self._spilt = 0  # where the last load would have ended, had its addresses sufficed
-        self._gen: _Generation | None = None
+    def __init__(self, base: int, size: int):
+        self.base = base
+        self.size = size
+        self.chunks: list[tuple[int, int, int]] = []  # (address, bytes, handle), in address order
+        self.used = 0
 
     @property
     def mapped(self) -> int:
-        return sum(size for _, size, _ in self._chunks)
+        return sum(size for _, size, _ in self.chunks)
+
+
+class UnitArena:
+    """One unit's ranges of addresses; physical memory mapped into them while the unit is loaded. `fallback`: the
+    failure that put the unit's weights in the allocator for good (None while they have an arena)."""
+
+    def __init__(self, arenas: Arenas, name: str):
+        self._arenas = arenas
+        self._driver = arenas.driver
+        self.name = name
+        self._ranges: list[_Range] = []
+        self._at = 0  # the range the load under way hands out from
+        self._last: list[int] = []  # bytes each range handed out in the last load: what the next one maps at once
+        self._gen: _Generation | None = None
+        self.fallback: DriverError | None = None
+        self.loaded_at = 0  # the Arenas' count of loads when this one last began: the least recent gives way first
+
+    @property
+    def mapped(self) -> int:
+        return sum(r.mapped for r in self._ranges)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """(address, bytes) of each range reserved."""
+        return tuple((r.base, r.size) for r in self._ranges)
 
     def begin(self, estimate: int) -> None:
-        """Start a load: what the last load took (else `estimate` bytes) is mapped at once, more as asked for."""
-        if self._gen is not None:
-            raise RuntimeError(f"{self.name}: loaded again before it was released")
-        need = _round_up(max(self._last or estimate, 1), self._driver.granularity)
-        if max(need, self._spilt) > self.size:
-            self._reserve(max(need, self._spilt))
-        self._offset = self._spilt = 0
-        self._gen = _Generation()
-        self._grow(need)
+        """Start a load: what the last load took (else `estimate` bytes) is mapped at once, exactly; more as
+        asked for, GROW bytes at a time."""
+        with self._arenas._lock:  # marked loading before anything, so no other load reclaims its addresses
+            if self._gen is not None:
+                raise RuntimeError(f"{self.name}: loaded again before it was released")
+            self._gen = _Generation()
+            self._arenas._loads += 1
+            self.loaded_at = self._arenas._loads
+        self._at = 0
+        for r in self._ranges:
+            r.used = 0
+        if self.fallback is not None:
+            return
+        granularity = self._driver.granularity
+        try:
+            if not self._ranges:  # the first load, or its addresses were given back for other units'
+                need = _round_up(max(sum(self._last) or estimate, 1), granularity)
+                self._ranges = self._arenas._reserve(need, self._arenas.reservation(need), self)
+            plan = list(self._last)  # the same ranges (or alike) are filled the same way
+            if not plan:  # the estimate, range after range
+                left = _round_up(max(estimate, 1), granularity)
+                for r in self._ranges:
+                    plan.append(min(left, r.size))
+                    left -= plan[-1]
+            for r, upto in zip(self._ranges, plan, strict=False):
+                self._grow(r, upto, step=0)
+        except DriverError as exc:
+            self._fall_back(exc)
 
-    def _reserve(self, need: int) -> None:
-        if self.size:
-            self._driver.free_addresses(self.base, self.size)
-            self.base = self.size = 0
-        size = _round_up(need * RESERVE_FACTOR + SLACK, self._driver.granularity)
-        self.base = self._driver.reserve(size)
-        self.size = size
-
-    def _grow(self, upto: int) -> None:
-        mapped = self.mapped
+    def _grow(self, r: _Range, upto: int, step: int = GROW) -> None:
+        """Map `r` up to `upto` bytes from its start (at least `step` more), in pieces of at most the profile's
+        max_allocation_bytes."""
+        mapped = r.mapped
         if upto <= mapped:
             return
-        size = min(_round_up(max(upto - mapped, GROW), self._driver.granularity), self.size - mapped)
-        handle = self._driver.map(self.base + mapped, size)
-        self._chunks.append((self.base + mapped, size, handle))
-        self._arenas._count(size)
+        size = min(_round_up(max(upto - mapped, step), self._driver.granularity), r.size - mapped)
+        piece = self._arenas.piece or size
+        while size > 0:
+            n = min(piece, size)
+            ptr = r.base + mapped
+            handle = self._driver.map(ptr, n)
+            r.chunks.append((ptr, n, handle))
+            self._arenas._count(n)
+            mapped += n
+            size -= n
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of the unit's memory, as a uint8 tensor (the next ones in the range)."""
+        """`nbytes` of the unit's memory, as a uint8 tensor (the next ones in its ranges; on the fallback, the
+        allocator's)."""
         if self._gen is None:
             raise RuntimeError(f"{self.name}: memory asked for outside a load")
-        start = _round_up(self._offset, ALIGN)
-        end = start + max(nbytes, 1)
-        if end > self.size or self._spilt:
-            return self._spill(end, nbytes)
-        self._grow(end)
-        self._offset = end
-        return self._driver.tensor(self.base + start, nbytes, self._gen)
-
-    def _spill(self, end: int, nbytes: int) -> torch.Tensor:
-        """Past the reserved addresses (the estimate was far off): the allocator's memory this time (freed when
-        the unit goes, but not at a fixed address), and enough addresses from the next load on."""
-        if not self._spilt:
-            log.warning("%s: its weights outgrow the %d bytes of addresses reserved for them; the rest of this load "
-                        "comes from the allocator", self.name, self.size)
-        self._spilt = max(self._spilt, end)
-        self._offset = end
+        if self.fallback is None:
+            n = max(nbytes, 1)
+            try:
+                r = self._room(n)
+                start = _round_up(r.used, ALIGN)
+                self._grow(r, start + n)
+            except DriverError as exc:
+                self._fall_back(exc)
+            else:
+                r.used = start + n
+                return self._driver.tensor(r.base + start, nbytes, self._gen)
         return torch.empty(nbytes, dtype=torch.uint8, device=self._driver.device)
+
+    def _room(self, n: int) -> _Range:
+        """The range the next `n` bytes go in: the current one, a later one, or one reserved now (the estimate was
+        low). A tensor never straddles two ranges: their addresses need not be adjacent."""
+        while self._at < len(self._ranges):
+            r = self._ranges[self._at]
+            if _round_up(r.used, ALIGN) + n <= r.size:
+                return r
+            self._at += 1
+        need = _round_up(n, self._driver.granularity)
+        if self._arenas.max_reservation is not None and need > self._arenas.max_reservation:
+            raise DriverError("cuMemAddressReserve", need, "not made: one tensor of the unit is larger than the "
+                              f"profile's max_reservation_bytes ({self._arenas.max_reservation})")
+        self._ranges += self._arenas._reserve(need, self._arenas.reservation(need), self)
+        return self._ranges[self._at]
+
+    def _fall_back(self, exc: DriverError) -> None:
+        """A call failed or was refused: the unit's weights come from the allocator from now on. What this load
+        mapped but handed nothing out of is unmapped now, the rest (under live tensors) when the unit goes; a
+        range with nothing mapped is given back now, the others then. The error is kept without the frames it
+        was raised through (_detached): they are the load's, and their locals are tensors of the unit."""
+        self.fallback = _detached(exc)
+        log.warning("%s: %s; its weights come from the allocator from now on (not at fixed addresses: graphs over "
+                    "them are captured again after each swap)", self.name, exc)
+        for r in self._ranges:
+            kept = [c for c in r.chunks if c[0] < r.base + r.used]
+            for ptr, size, handle in r.chunks[len(kept):]:
+                self._driver.unmap(ptr, size, handle)
+                self._arenas._count(-size)
+            r.chunks = kept
+        self._arenas._free(self, [r for r in self._ranges if not r.chunks])
+        if self._arenas.on_fallback is not None:
+            self._arenas.on_fallback(self.name)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.data_ptr()
-        return self._gen is not None and self.base <= ptr < self.base + min(self._offset, self.size)
+        return self._gen is not None and any(r.base <= ptr < r.base + r.used for r in self._ranges)
 
     def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` in the unit's memory: itself where it is there already, else a copy (the original is the
         caller's to drop)."""
         if tensor.device.type == "meta" or self.holds(tensor):
             return tensor
-        if self._spilt:  # no room left: as it is, but not as a view keeping a larger block alive
+        if self.fallback is not None:  # the allocator's already: as it is, but not as a view keeping more alive
             return tensor.clone() if tensor._base is not None else tensor
         src = tensor.contiguous()
         out = self.take(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
@@ -263,44 +230,63 @@ class UnitArena:
 
     def release(self, synced: bool = False) -> None:
         """Unmap the unit's memory (the caller has dropped every tensor of it, and `synced` the device since);
-        its addresses stay reserved."""
+        its addresses stay reserved, but for a unit on the fallback, whose addresses are given back."""
         if self._gen is None:
             return
         gen = weakref.ref(self._gen)
         self._gen = None
         if gen() is not None:
-            import gc
-
             gc.collect()
         if gen() is not None:
             self._gen = gen()
             raise RuntimeError(f"{self.name}: a tensor of it is still referenced, so its memory cannot be freed")
-        if not synced:
+        self._last = [r.used for r in self._ranges]
+        if not synced and self.mapped:
             self._driver.synchronize()  # kernels queued may still read it
-        for ptr, size, handle in self._chunks:
-            self._driver.unmap(ptr, size, handle)
-            self._arenas._count(-size)
-        self._chunks.clear()
-        self._last, self._offset = self._offset, 0
+        for r in self._ranges:
+            for ptr, size, handle in r.chunks:
+                self._driver.unmap(ptr, size, handle)
+                self._arenas._count(-size)
+            r.chunks = []
+            r.used = 0
+        if self.fallback is not None:
+            self._arenas._free(self, list(self._ranges))
 
     def close(self) -> None:
         self.release()
-        if self.size:
-            self._driver.free_addresses(self.base, self.size)
-            self.base = self.size = 0
+        self._arenas._free(self, list(self._ranges))
 
 
 class Arenas:
-    """Every unit's arena on one device, and the bytes mapped across them (now, the peak since reset_peak, and
-    the peak since they were made)."""
+    """Every unit's arena on one device, within the profile's bounds (`memory`; `budget`: the loader's, which
+    with memory.reserve_headroom_bytes caps the addresses reserved), and the bytes mapped across them (now, the
+    peak since reset_peak, and the peak since they were made) and reserved. `on_fallback(unit)` is told when a
+    unit's weights move to the allocator."""
 
-    def __init__(self, driver):
-        self._driver = driver
+    def __init__(self, driver: VmmDriver, memory: MemoryTuning, budget: int | None = None,
+                 on_fallback: Callable[[str], None] | None = None):
+        self.driver = driver
+        self.memory = memory
+        granularity = driver.granularity
+        self.max_reservation = (None if memory.max_reservation_bytes is None
+                                else max(memory.max_reservation_bytes // granularity * granularity, granularity))
+        self.piece = (None if memory.max_allocation_bytes is None
+                      else max(memory.max_allocation_bytes // granularity * granularity, granularity))
+        self.limit = (None if budget is None or memory.reserve_headroom_bytes is None
+                      else budget + memory.reserve_headroom_bytes)
+        self.on_fallback = on_fallback
         self._by_unit: dict[str, UnitArena] = {}
-        self._lock = threading.Lock()
+        # guards the counts and every range reserved or given back (a prefetch thread loads beside the main one)
+        self._lock = threading.RLock()
+        self._loads = 0
         self.mapped = 0
         self.peak = 0  # since reset_peak
         self.peak_ever = 0
+        self.reserved = 0
+
+    def reservation(self, need: int) -> int:
+        """The addresses a unit that needs `need` bytes is given: room to load a little larger and keep them."""
+        return _round_up(int(need * self.memory.reserve_factor) + self.memory.reserve_slack, self.driver.granularity)
 
     def _count(self, delta: int) -> None:
         with self._lock:
@@ -312,11 +298,62 @@ class Arenas:
         with self._lock:
             self.peak = self.mapped
 
+    def _reserve(self, need: int, want: int, arena: UnitArena) -> list[_Range]:
+        """Ranges of `want` bytes in all (each at most max_reservation) for `arena`; where that would pass the
+        limit once the units not loaded have given their addresses back, ranges of `need` bytes (room for no
+        growth, but the unit still at fixed addresses); else a DriverError for the fallback."""
+        with self._lock:
+            size = want
+            if self.limit is not None:
+                idle = sorted((a for a in self._by_unit.values()
+                               if a is not arena and a._gen is None and a._ranges and not a.mapped),
+                              key=lambda a: a.loaded_at)
+                floor = self.reserved - sum(s for a in idle for _, s in a.ranges)
+                size = want if floor + want <= self.limit else need
+                if floor + size > self.limit:
+                    raise DriverError("cuMemAddressReserve", need, f"not made: with {floor} bytes reserved for "
+                                      f"other units, it would pass the limit of {self.limit} (the budget plus "
+                                      "the profile's reserve_headroom_bytes)")
+                for other in idle:  # least recently loaded first: its graphs are the least likely to replay
+                    if self.reserved + size <= self.limit:
+                        break
+                    log.info("%s: its addresses (%d bytes) given back for %s's, under the limit of %d",
+                             other.name, sum(s for _, s in other.ranges), arena.name, self.limit)
+                    self._free(other, list(other._ranges))
+            step = self.max_reservation or size
+            got: list[_Range] = []
+            try:
+                for start in range(0, size, step):
+                    n = min(step, size - start)
+                    got.append(_Range(self.driver.reserve(n), n))
+                    self.reserved += n
+            except DriverError:  # none of it: the unit goes to the allocator whole
+                for r in got:
+                    self.driver.free_addresses(r.base, r.size)
+                    self.reserved -= r.size
+                raise
+            return got
+
+    def _free(self, arena: UnitArena, ranges: list[_Range]) -> None:
+        """Give back those of these ranges (nothing mapped in them) that `arena` still holds: another unit's load
+        may have taken them meanwhile."""
+        with self._lock:
+            for r in ranges:
+                if r in arena._ranges:
+                    arena._ranges.remove(r)
+                    self.driver.free_addresses(r.base, r.size)
+                    self.reserved -= r.size
+
     def of(self, unit: str) -> UnitArena:
         with self._lock:
             if unit not in self._by_unit:
-                self._by_unit[unit] = UnitArena(self._driver, self, unit)
+                self._by_unit[unit] = UnitArena(self, unit)
             return self._by_unit[unit]
+
+    def on_the_fallback(self) -> tuple[str, ...]:
+        """The units whose weights come from the allocator (a call failed or was refused for each)."""
+        with self._lock:
+            return tuple(u for u, a in self._by_unit.items() if a.fallback is not None)
 
     def adopt(self, unit: str, tensor: torch.Tensor) -> torch.Tensor:
         return self.of(unit).adopt(tensor)
@@ -324,8 +361,8 @@ class Arenas:
     def release(self, units) -> None:
         """Unmap these units' memory, after one wait for the kernels queued (which may still read it)."""
         arenas = [self._by_unit[u] for u in units if u in self._by_unit]
-        if arenas:
-            self._driver.synchronize()
+        if any(a.mapped for a in arenas):
+            self.driver.synchronize()
         for arena in arenas:
             arena.release(synced=True)
 

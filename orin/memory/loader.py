@@ -31,10 +31,11 @@ from ..device.gate import GATE
 from ..device.profile import DeviceProfile
 from ..errors import BudgetError
 from . import residency
-from .arena import Arenas, driver_for
+from .arena import Arenas
 from .packed_cache import PackedCache
 from .skeleton import Skeleton
 from .unit_reader import UnitReader
+from .vmm_driver import VmmDriver, driver_for
 
 log = logging.getLogger("orin.memory.loader")
 
@@ -71,8 +72,8 @@ class MemoryTracker:
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            if self.arenas is not None:
-                self.arenas.reset_peak()
+        if self.arenas is not None:
+            self.arenas.reset_peak()
         self.peak = self.current()
 
     def observe(self) -> int:
@@ -91,11 +92,14 @@ class Loader:
     def __init__(self, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
                  budget: int | None = None, *, estimates: dict[str, int] | None = None,
                  on_swap: Callable[[Swap], None] | None = None, packed: PackedCache | None = None,
-                 profile: DeviceProfile | None = None):
+                 profile: DeviceProfile | None = None,
+                 arena_driver: Callable[[torch.device], VmmDriver | None] | None = None):
         """`estimates`: the bytes each unit will take once loaded (the planner's), used until it has been.
         `packed`: where INT4 units are kept in the device's layout (orin.memory.packed_cache), or None to convert them
-        on every load. `profile`: the device profile (orin.device.profile) the reads and the INT4 loads are
-        tuned by; the engine passes its own, else it is detected here."""
+        on every load. `profile`: the device profile (orin.device.profile) the reads, the INT4 loads and the weight
+        arenas are tuned by; the engine passes its own, else it is detected here. `arena_driver(device)`: the
+        virtual memory management the weight arenas map with, or None for none (by default the device's own,
+        orin.memory.vmm_driver.driver_for; tests pass a stand-in over the host's memory, or one that fails)."""
         if profile is None:
             from ..device.capabilities import detect
 
@@ -111,9 +115,12 @@ class Loader:
         self.shells = self.skeleton.shells
         self._units = self.skeleton.units
         # Time-sliced, each unit's weights are mapped at addresses of their own and unmapped when it goes
-        # (orin.memory.arena); without the driver's virtual memory management, a memory pool (weights_memory).
-        driver = driver_for(device) if budget is not None else None
-        self._arenas = Arenas(driver) if driver is not None else None
+        # (orin.memory.arena), within the profile's bounds; a unit whose mapping fails is on the allocator from
+        # then on. Without the driver's virtual memory management, a memory pool (weights_memory).
+        driver = (arena_driver or driver_for)(device) if budget is not None else None
+        # a unit gone to the allocator mid-load: the cap had left its bytes to be mapped, so it is set again
+        self._arenas = (Arenas(driver, profile.memory, budget, on_fallback=lambda unit: self._cap())
+                        if driver is not None else None)
         if self._arenas is not None and device.type == "cuda":
             # the allocator's cap needs the device by its index: a bare "cuda" is refused
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -249,7 +256,8 @@ class Loader:
         units = self._missing(component)
         if self._arenas is not None:
             sizes = self.unit_sizes()
-            incoming = sum(sizes.get(unit, 0) for unit in units)
+            # what is about to be mapped (a unit on the fallback comes from the allocator, under its cap)
+            incoming = sum(sizes.get(unit, 0) for unit in units if self._arenas.of(unit).fallback is None)
             self._trim(incoming)  # the allocator's cache gives way to what is about to be mapped
             for unit in units:
                 self._arenas.of(unit).begin(sizes.get(unit, 0))

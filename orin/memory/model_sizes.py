@@ -42,6 +42,9 @@ class ModelSizes:
     spec: QuantSpec
     dims: dict
     padded_layers: list[dict] = field(default_factory=list)
+    # (component, name, bytes) of the largest single weight tensor on the device: one allocation where its unit's
+    # weights have no arena (all-resident, or an arena's fallback), orin.memory.request_sizes.allocations
+    largest_tensor: tuple[str, str, int] | None = None
 
     @property
     def total_params(self) -> int:
@@ -71,7 +74,8 @@ def model_dims(config) -> dict:
                   "n_window": au.n_window, "mel_bins": au.num_mel_bins, "conv_channels": au.downsample_hidden_size,
                   "conv_chunksize": au.conv_chunksize},
         "vision": {"hidden": vi.hidden_size, "intermediate": vi.intermediate_size, "heads": vi.num_heads,
-                   "patch": vi.patch_size, "merge": vi.spatial_merge_size, "depth": vi.depth},
+                   "patch": vi.patch_size, "merge": vi.spatial_merge_size, "depth": vi.depth,
+                   "in_channels": vi.in_channels, "temporal_patch": vi.temporal_patch_size},
         "talker": {"layers": ktt.num_hidden_layers, "hidden": ktt.hidden_size, "heads": ktt.num_attention_heads,
                    "kv_heads": ktt.num_key_value_heads, "head_dim": ktt.head_dim, "experts": ktt.num_experts,
                    "top_k": ktt.num_experts_per_tok, "moe_intermediate": ktt.moe_intermediate_size,
@@ -134,4 +138,31 @@ def size_model(config, spec: QuantSpec, segments: dict[str, tuple[str, ...]], dt
                    if C.unit_component(u) == c},
         )
     pads = [{"in_features": k, "padded_in_features": kp, "layers": n} for (k, kp), n in sorted(padded_layers.items())]
-    return ModelSizes(comps, segments, spec, model_dims(config), pads)
+    return ModelSizes(comps, segments, spec, model_dims(config), pads, _largest_tensor(model, targets, g, dtype_bytes))
+
+
+def _largest_tensor(model, targets, group_size: int, dtype_bytes: int) -> tuple[str, str, int] | None:
+    """(component, name, bytes) of the largest tensor the loaded model holds: a plain parameter in the compute dtype,
+    or an INT4 target's packed weight in torch's int4pack layout (an experts target's stacked over its experts:
+    orin.int4.experts), half a byte a padded weight (orin.checkpoint.targets.runtime_int4_bytes)."""
+    from ..checkpoint.targets import INT4_N_ALIGN
+
+    def packed(k: int, n: int) -> int:
+        return padded(k, group_size) * (-(-n // INT4_N_ALIGN) * INT4_N_ALIGN) // 2
+
+    quantized = {t.path: t for t in targets}
+    best = None
+    for name, p in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        t = quantized.get(path)
+        if t is None or leaf == "bias":
+            nbytes = p.numel() * dtype_bytes
+        elif t.kind == "experts":
+            nbytes = t.num_experts * (packed(t.in_features, 2 * t.intermediate) if leaf == "gate_up_proj"
+                                      else packed(t.intermediate, t.out_features))
+        else:
+            nbytes = packed(t.in_features, t.out_features)
+        unit = C.unit_of(name)
+        if unit is not None and (best is None or nbytes > best[2]):
+            best = (C.unit_component(unit), name, nbytes)
+    return best

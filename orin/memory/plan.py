@@ -15,7 +15,17 @@ from ..device.profile import CPU, ORIN, DeviceProfile, for_arch, named
 from ..errors import BudgetError
 from ..units import format_bytes
 from .model_sizes import ModelSizes, size_model
-from .request_sizes import Request, activation_bytes, kv_bytes, request_tokens, working_bytes
+from .request_sizes import (
+    Allocation,
+    Request,
+    activation_bytes,
+    allocations,
+    kv_bytes,
+    pinned_host_bytes,
+    request_tokens,
+    stage_margin,
+    working_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,10 @@ class Verdict:
     peak_bytes: int
     reason: str
     min_budget: int = 0  # the smallest budget that serves this request (its leanest schedule's peak)
+    # the largest single allocation the request makes (request_sizes.allocations), where the caller sized them
+    largest: Allocation | None = None
+    # refused whatever the budget: `largest` is over the profile's memory.max_allocation_bytes
+    over_ceiling: bool = False
 
 
 def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
@@ -75,15 +89,16 @@ def schedules(needed: tuple[str, ...]) -> list[tuple[str, list[tuple[str, tuple[
 
 
 def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], needed: tuple[str, ...],
-           budget: int, margin: int = 0) -> Verdict:
+           budget: int, margin: int = 0, largest: Allocation | None = None, ceiling: int | None = None) -> Verdict:
     """The verdict for one request: `resident` holds each component's resident bytes; `margin` is added to
-    every stage (the profile's memory.runtime_margin)."""
+    every stage (request_sizes.stage_margin: the profile's runtime margin, and on unified memory the pinned staging
+    buffers). `largest`: the request's largest single allocation; over `ceiling` (the profile's
+    memory.max_allocation_bytes) the request is refused whatever the budget."""
 
     def stage_bytes(comps: tuple[str, ...]) -> int:
         return sum(resident[c] for c in comps) + working_bytes(comps, kv, act, margin)
 
     all_bytes = stage_bytes(needed)
-    largest = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
     options = []
     for label, plan in schedules(needed):
         stages = []
@@ -91,20 +106,28 @@ def decide(resident: dict[str, int], kv: dict[str, int], act: dict[str, int], ne
             stages.append(Stage(name, comps, stage_bytes(comps)))  # an encode stage holds no KV cache
         options.append((label, stages, max(s.bytes for s in stages)))
     least = min(peak for _, _, peak in options)
+    if largest is not None and ceiling is not None and largest.bytes > ceiling:
+        return Verdict(needed, all_bytes, False, False, [], False, all_bytes,
+                       f"cannot run on this device: the {largest.what} is one allocation of "
+                       f"{format_bytes(largest.bytes)}, over the {format_bytes(ceiling)} this device allows one "
+                       f"(memory.max_allocation_bytes), whatever the budget: {largest.advice}",
+                       least, largest, True)
     for label, stages, peak in options:
         if peak <= budget:
             streaming = "streaming" in label or "speak" not in " ".join(s.name for s in stages)
             if all_bytes <= budget:
                 return Verdict(needed, all_bytes, True, True, stages, streaming, all_bytes,
-                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})", least)
+                               f"fits all-resident ({format_bytes(all_bytes)} of {format_bytes(budget)})", least,
+                               largest)
             return Verdict(needed, all_bytes, False, True, stages, "streaming" in label, peak,
                            f"fits only time-sliced ({label}): peak {format_bytes(peak)} of {format_bytes(budget)}",
-                           least)
-    worst = resident[largest] + act.get(largest, 0) + kv.get(largest, 0) + margin
+                           least, largest)
+    big = max(needed, key=lambda c: resident[c] + act.get(c, 0) + kv.get(c, 0))
+    worst = resident[big] + act.get(big, 0) + kv.get(big, 0) + margin
     return Verdict(needed, all_bytes, False, False, [], False, worst,
-                   f"does not fit: {largest} alone needs {format_bytes(worst)} (weights, KV cache and working "
+                   f"does not fit: {big} alone needs {format_bytes(worst)} (weights, KV cache and working "
                    f"memory) but the budget is {format_bytes(budget)}; the least it runs in is "
-                   f"{format_bytes(least)}", least)
+                   f"{format_bytes(least)}", least, largest)
 
 
 # ---------------------------------------------------------------- the command
@@ -148,6 +171,7 @@ class PlanResult:
     profile: DeviceProfile
     quantized: bool = True
     stream: list = field(default_factory=list)  # steady_state(): moves per staging of consecutive requests
+    allocations: list = field(default_factory=list)  # request_sizes.allocations, largest first
 
     def to_json(self) -> dict:
         from .residency import stationary
@@ -175,8 +199,14 @@ class PlanResult:
                 "activation_bytes": max(self.act.values() or [0]),
                 "activation_by_component": self.act,
                 "runtime_margin_bytes": self.profile.memory.runtime_margin,
+                "pinned_host_bytes": pinned_host_bytes(self.profile.memory),
+                "pinned_host_in_budget": self.profile.capabilities.unified_memory,
                 "needed": list(v.needed),
             },
+            "largest_allocation": v.largest.to_json() if v.largest else None,
+            "largest_request_allocation": next((a.to_json() for a in self.allocations if a.own), None),
+            "max_allocation_bytes": self.profile.memory.max_allocation_bytes,
+            "allocations": [a.to_json() for a in self.allocations],
             "fits": {"all_resident": v.all_resident, "time_sliced": v.time_sliced, "streaming": v.streaming},
             "schedule": [st.to_json() for st in v.schedule],
             "stream": [{"bytes_loaded": sum(m.loaded() for m in r), "stagings": [m.to_json() for m in r],
@@ -202,7 +232,9 @@ def plan_request(sizes: ModelSizes, req: Request, budget: int, profile: DevicePr
     act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
     if resident is None:
         resident = {n: c.runtime_int4_bytes for n, c in sizes.components.items()}
-    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, profile.memory.runtime_margin)
+    largest = allocations(tokens, sizes.dims, dtype_bytes, profile, sizes)[0]
+    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, stage_margin(profile), largest,
+                                   profile.memory.max_allocation_bytes)
 
 
 def machine_profile(tegra: bool | None = None) -> DeviceProfile:
@@ -242,11 +274,14 @@ def make_plan(cfg: PlanConfig) -> PlanResult:
     sizes = size_model(config, spec, segments, dtype_bytes=dtype_bytes)
     req = request_from(cfg)
     tokens, kv, act, verdict = plan_request(sizes, req, cfg.budget, profile, dtype_bytes)
-    stream = steady_state(sizes, kv, act, verdict, cfg.budget, profile.memory.runtime_margin)
-    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict, profile, stream=stream)
+    stream = steady_state(sizes, kv, act, verdict, cfg.budget, stage_margin(profile))
+    return PlanResult(cfg, sizes, req, tokens, kv, act, verdict, profile, stream=stream,
+                      allocations=allocations(tokens, sizes.dims, dtype_bytes, profile, sizes))
 
 
 def require_fit(verdict: Verdict) -> None:
+    if verdict.over_ceiling:  # no budget helps: the reason says what to ask for instead
+        raise BudgetError(f"request refused before loading anything: {verdict.reason}")
     if not verdict.time_sliced:
         raise BudgetError(f"request refused before loading anything: {verdict.reason}; raise --budget, "
                           "or ask for less (--no-speech, fewer images, shorter audio, fewer tokens)")
@@ -282,8 +317,10 @@ def render_plan(result: PlanResult) -> str:
                   f"{tok['video']}, text {result.request.prompt_text_tokens}) + {tok['generated']} generated"
                   + (f", up to {tok['talker_frames']} speech frames" if tok["talker_frames"] else ", no speech"),
               f"KV cache {format_bytes(r['kv_bytes'])}, working memory {format_bytes(r['activation_bytes'])} "
-              f"+ {format_bytes(result.profile.memory.runtime_margin)} runtime margin, "
-              f"needs: {', '.join(r['needed'])}"]
+              f"+ {format_bytes(result.profile.memory.runtime_margin)} runtime margin"
+              + (f" + {format_bytes(r['pinned_host_bytes'])} pinned staging" if r["pinned_host_in_budget"] else "")
+              + f", needs: {', '.join(r['needed'])}"]
+    lines += _render_host_and_allocations(result)
     lines += ["", f"budget {format_bytes(result.cfg.budget)}: {j['verdict']}",
               f"all-resident from {format_bytes(j['all_resident_bytes'])}; the least budget this request runs in: "
               f"{format_bytes(j['min_budget_bytes'])}"]
@@ -293,6 +330,27 @@ def render_plan(result: PlanResult) -> str:
         lines += _render_stream(result)
     lines += ["", result.profile.render()]
     return "\n".join(lines)
+
+
+def _render_host_and_allocations(result: PlanResult) -> list[str]:
+    """Where pinned host memory is counted, and the largest single allocation against the device's ceiling."""
+    from .request_sizes import LOADING_THREADS
+
+    memory = result.profile.memory
+    pinned = (f"pinned host memory: {format_bytes(pinned_host_bytes(memory))} of staging buffers ({LOADING_THREADS} "
+              f"loading threads x 2 x {format_bytes(memory.stage_bytes)}), ")
+    pinned += ("counted in every stage against the budget (unified memory: the same DRAM as the device's)"
+               if result.profile.capabilities.unified_memory else "host memory, outside the device budget")
+    lines = [pinned]
+    largest = result.verdict.largest
+    if largest is not None:
+        ceiling = memory.max_allocation_bytes
+        limit = f"the ceiling {format_bytes(ceiling)}" if ceiling is not None else "no ceiling on this device"
+        lines.append(f"largest single allocation: {format_bytes(largest.bytes)}, the {largest.what} ({limit})")
+        own = next((a for a in result.allocations if a.own), None)
+        if own is not None and own != largest:
+            lines.append(f"  the request's own largest: {format_bytes(own.bytes)}, the {own.what}")
+    return lines
 
 
 def _profile_origin(result: PlanResult) -> str:

@@ -40,6 +40,14 @@ class UnitReader:
         self.profile = profile
         self._arenas = arenas
 
+    def _batch_bytes(self) -> int:
+        """The most bytes read in one batch: a staging buffer's, and no more than one range of a unit's arena holds
+        (a batch's tensors land in one device block, which never straddles two ranges)."""
+        stage = self.profile.memory.stage_bytes
+        if self._arenas is None or self._arenas.max_reservation is None:
+            return stage
+        return min(stage, self._arenas.max_reservation)
+
     def _blocks(self, path) -> BlockReader:
         return BlockReader(path, self.device, self.profile.memory)
 
@@ -102,7 +110,7 @@ class UnitReader:
             from_packed = self._load_all_packed(packed, sorted({shell_unit[p] for p in shells}, key=C.unit_sort_key),
                                                 files, shells, got)
         shells = {p: m for p, m in shells.items() if not m.is_loaded}
-        plain_batch_bytes = self.profile.memory.stage_bytes
+        plain_batch_bytes = self._batch_bytes()
         for source in self.ckpt.sources(component):
             blocks = self._blocks(source.path)
             with _LazyReader(source, self.device) as reader:
@@ -151,7 +159,7 @@ class UnitReader:
         the disk alone was two fifths of the load). How many were loaded so."""
         found = [(unit, hit) for unit in units if (hit := packed.find(unit, files)) is not None]
         readers = [self._blocks(hit.path) for _, hit in found]
-        stage = self.profile.memory.stage_bytes
+        stage = self._batch_bytes()
         batches = [_name_batches(blocks, hit.names, stage) for blocks, (_, hit) in zip(readers, found, strict=True)]
         loaded = 0
         try:

@@ -25,10 +25,10 @@ import numpy as np
 
 from ..contract import AudioChunk, Done, GenerationRequest, Observer, Staged, TextDelta
 from ..device.profile import DeviceProfile
-from ..errors import InputError
+from ..memory.oom import MemoryReading, allocation_failure, out_of_memory, read_memory
 from .attention import without_cudnn_attention
 from .heap import HeapSettler
-from .request_state import Cancelled, RequestPlan, RequestState, build_report
+from .request_state import Cancelled, RequestPlan, RequestState, build_report, plan_request, release_failed, validate
 
 log = logging.getLogger("orin.runtime.engine")
 
@@ -52,6 +52,15 @@ class EngineConfig:
     # Every tuning number and capability of the hot path (orin.device.profile). None: detected from the device
     # when the engine starts; tests and the benchmark pass one (dataclasses.replace of a named profile).
     profile: DeviceProfile | None = None
+    # Under a budget, the virtual memory management the weight arenas map with, given the device (None: the
+    # device's own, orin.memory.vmm_driver.driver_for); tests pass a stand-in over the host's memory, or one that
+    # fails on purpose.
+    arena_driver: Callable | None = None
+    # What the board has free (orin.memory.oom.MemoryReading; None: the device's and /proc/meminfo's). Tests fake it
+    memory_reader: Callable[[], MemoryReading] | None = None
+    # Called with the RequestState at each step's check (encoder, token, codec frame): tests raise an allocation
+    # failure from it mid-request. None in production.
+    fault_hook: Callable[[RequestState], None] | None = None
 
 
 class Engine:
@@ -84,7 +93,8 @@ class Engine:
                   if cfg.packed_cache else None)
         self.loader = Loader(self.ckpt, self.device, self.dtype, cfg.budget,
                              estimates={u: b for s in self.sizes.components.values() for u, b in s.units.items()},
-                             on_swap=self._notify, packed=packed, profile=self.profile)
+                             on_swap=self._notify, packed=packed, profile=self.profile,
+                             arena_driver=cfg.arena_driver)
         self.model = self.loader.model
         self.processor = Processor.from_dir(cfg.model_dir)
         self.tokenizer = self.processor.tokenizer
@@ -199,7 +209,7 @@ class Engine:
     def plan(self, req: GenerationRequest) -> RequestPlan:
         """The planner's verdict and schedule for `req` under this engine's budget, without running it (a
         BudgetError where it cannot run; the verdict's `min_budget` is the least budget it runs in)."""
-        self._validate(req)
+        validate(req, self.voices)
         return self._plan(req, self.prepare(req))
 
     def generate(self, req: GenerationRequest, cancel: threading.Event | None = None):
@@ -215,11 +225,14 @@ class Engine:
         audio = np.concatenate(chunks) if chunks else (np.zeros(0, np.float32) if req.speech else None)
         return text, audio, report
 
-    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator:
-        """TextDelta and AudioChunk events as they are produced, then Done with the request's Report."""
+    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
+               admit: Callable[[int], None] | None = None) -> Iterator:
+        """TextDelta and AudioChunk events as they are produced, then Done with the request's Report. `admit(bytes
+        planned)` may refuse it before it runs (orin.serve.admission.MemoryPolicy). An allocation that fails while
+        it runs raises orin.errors.OutOfMemoryError once the request's memory is released."""
         import torch
 
-        self._validate(req)
+        validate(req, self.voices)
         with self._lock, torch.inference_mode(), without_cudnn_attention():
             state = RequestState(req, cancel)
             self.loader.begin_request()
@@ -229,16 +242,33 @@ class Engine:
                 plan = self._plan(req, prompt)
                 self._kept_weights = plan.keeps_weights
                 state.mark("planned")
+                if admit is not None:
+                    admit(plan.asked)
+                failure = None
                 try:
                     yield from self._pipeline(state, prompt, plan)
                 except Cancelled:
                     log.info("request cancelled by the client after %d tokens", len(state.tokens))
-            report = build_report(state, prompt, plan, measurement.report, self._routes(state),
+                except Exception as exc:  # noqa: BLE001 - the one place an allocation failure becomes an answer
+                    failure = allocation_failure(exc)
+                    if failure is None:
+                        raise
+            if failure is not None:  # out of the except: the failure's traceback, and the frames it holds, are gone
+                del prompt
+                release_failed(self.loader, self.decoders, self.device, failure, len(state.tokens))
+                raise out_of_memory(failure, plan.asked, self.free_memory())
+            # the named routes it took (Report.routes), each decided once: at construction or by the prefill's route
+            routes = {"profile": self.profile.name, "moe": self.decoders.moe_backend() or "none", **state.routes}
+            report = build_report(state, prompt, plan, measurement.report, routes,
                                   text=self.decode_tokens(state.tokens), loader=self.loader, budget=self.cfg.budget,
                                   device=str(self.device))
             self._prepare_next(plan)
             self._settle_heap()
             yield Done(report)
+
+    def free_memory(self) -> MemoryReading:
+        """What the board has free now: the device's, MemAvailable and NvMap's, where readable."""
+        return self.cfg.memory_reader() if self.cfg.memory_reader is not None else read_memory(self.device)
 
     def _notify(self, event) -> None:
         if self._observer is not None:
@@ -256,50 +286,9 @@ class Engine:
 
     # ------------------------------------------------------------------ preparation
 
-    def _validate(self, req: GenerationRequest) -> None:
-        if req.max_new_tokens < 1:
-            raise InputError("max_new_tokens must be at least 1")
-        if req.speech:
-            if req.voice.lower() not in self.voices:
-                raise InputError(f"unknown voice {req.voice!r}; voices: {', '.join(self.voices)}")
-        if not req.messages:
-            raise InputError("messages is empty: give at least one user message")
-
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        from ..memory.plan import decide, require_fit, stagings
-        from ..memory.request_sizes import AUDIO_FRAMES_PER_SECOND, Request, activation_bytes, kv_bytes, vision_sizes
-
-        n = prompt.length
-        tokens = {"audio": prompt.n_audio_tokens, "image": prompt.n_image_tokens, "video": prompt.n_video_tokens,
-                  "prompt": n, "generated": req.max_new_tokens, "total": n + req.max_new_tokens,
-                  "talker_frames": req.frame_cap if req.speech else 0,
-                  **vision_sizes(prompt.image_grids, prompt.video_grids, self.profile.prefill.video_encode_patches)}
-        kv = kv_bytes(tokens, self.sizes.dims, self.dtype.itemsize, self.profile)
-        act = activation_bytes(tokens, self.sizes.dims, self.dtype.itemsize, self.profile)
-        budget = self.cfg.budget if self.cfg.budget is not None else 1 << 62
-        margin = self.profile.memory.runtime_margin
-        # the components it needs: the planner's Request of the media this prompt holds (one definition)
-        video_s = sum(grid[0] * s for grid, s in zip(prompt.video_grids, prompt.video_seconds, strict=True))
-        needed = Request(audio_seconds=sum(prompt.audio_lengths) / AUDIO_FRAMES_PER_SECOND,
-                         images=len(prompt.image_grids), video_seconds=video_s, speech=req.speech).needed()
-        verdict = decide(self.loader.sizes(), kv, act, needed, budget, margin)
-        require_fit(verdict)
-        streaming = req.speech and req.stream_speech and verdict.streaming
-        stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=self.cfg.prefetch)
-        graphs = verdict.needed if verdict.all_resident else self._stationary(stages, budget)
-        return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming, graphs)
-
-    def _stationary(self, stages, budget: int) -> tuple[str, ...]:
-        """The components a stream of requests like this one never moves in its steady state (orin.memory.residency,
-        on the loader's sizes and what it holds now)."""
-        from ..memory.residency import simulate, stationary
-
-        try:
-            moves = simulate(stages.calls(), self.loader.unit_sizes(), budget,
-                             resident=self.loader.resident_units())
-        except ValueError:  # the sizes measured since the plan's estimate say otherwise: no graph is safe to keep
-            return ()
-        return stationary(moves[-1])
+        return plan_request(req, prompt, sizes=self.sizes, profile=self.profile, loader=self.loader,
+                            dtype_bytes=self.dtype.itemsize, budget=self.cfg.budget, prefetch=self.cfg.prefetch)
 
     def _stage(self, call) -> None:
         """Make the call's components resident (the loader evicts and prefetches within the budget), then tell
@@ -318,12 +307,9 @@ class Engine:
 
     def _check(self, state: RequestState) -> None:
         self.loader.observe()
+        if self.cfg.fault_hook is not None:
+            self.cfg.fault_hook(state)
         state.stop_if_cancelled()
-
-    def _routes(self, state: RequestState) -> dict[str, str]:
-        """The named routes the request took (Report.routes): each decided once, at construction or by the
-        prefill's one route function."""
-        return {"profile": self.profile.name, "moe": self.decoders.moe_backend() or "none", **state.routes}
 
     # ------------------------------------------------------------------ the pipeline
 

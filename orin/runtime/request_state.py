@@ -1,13 +1,19 @@
 """One request's state while it runs: what the stages have produced and when. Each request gets its own; nothing
-of a request is kept on the engine."""
+of a request is kept on the engine. Also its plan (plan_request: the planner's verdict and schedule for its
+prompt), and what is given back when an allocation fails while it runs (release_failed)."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ..contract import EnergyReport, GenerationRequest, Report
+from ..errors import InputError
+
+log = logging.getLogger("orin.runtime.engine")
 
 
 class Cancelled(Exception):
@@ -59,6 +65,95 @@ class RequestPlan:
     # every request (four passes' work for one replay); the graphs' pools sit in the runtime margin, as
     # all-resident. The decode steps replay graphs everywhere (re-captured where their weights moved).
     graphs: tuple[str, ...] = ()
+
+    @property
+    def asked(self) -> int:
+        """The request's working bytes beside the weights, all its stages' together: the KV caches, the largest
+        activations and the margin (what an out-of-memory answer says it asked)."""
+        from ..memory.request_sizes import working_bytes
+
+        return working_bytes(tuple(self.verdict.needed), self.kv, self.act, self.margin)
+
+
+def plan_request(req: GenerationRequest, prompt, *, sizes, profile, loader, dtype_bytes: int, budget: int | None,
+                 prefetch: bool) -> RequestPlan:
+    """The planner's verdict and schedule for `req`'s prepared `prompt` (a BudgetError where it cannot run), on the
+    model's `sizes` (orin.memory.model_sizes), the device `profile` and what the `loader` holds."""
+    from ..memory.plan import decide, require_fit, stagings
+    from ..memory.request_sizes import (
+        AUDIO_FRAMES_PER_SECOND,
+        Request,
+        activation_bytes,
+        allocations,
+        kv_bytes,
+        prompt_tokens,
+        stage_margin,
+    )
+
+    tokens = prompt_tokens(prompt, req.max_new_tokens, req.frame_cap if req.speech else 0, sizes.dims, profile)
+    kv = kv_bytes(tokens, sizes.dims, dtype_bytes, profile)
+    act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
+    budget = budget if budget is not None else 1 << 62
+    margin = stage_margin(profile)  # the runtime margin, and on unified memory the pinned staging buffers
+    # the components it needs: the planner's Request of the media this prompt holds (one definition)
+    video_s = sum(grid[0] * s for grid, s in zip(prompt.video_grids, prompt.video_seconds, strict=True))
+    needed = Request(audio_seconds=sum(prompt.audio_lengths) / AUDIO_FRAMES_PER_SECOND,
+                     images=len(prompt.image_grids), video_seconds=video_s, speech=req.speech).needed()
+    largest = allocations(tokens, sizes.dims, dtype_bytes, profile, sizes)[0]
+    verdict = decide(loader.sizes(), kv, act, needed, budget, margin, largest, profile.memory.max_allocation_bytes)
+    require_fit(verdict)
+    streaming = req.speech and req.stream_speech and verdict.streaming
+    stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=prefetch)
+    graphs = verdict.needed if verdict.all_resident else _stationary(stages, loader, budget)
+    return RequestPlan(verdict, kv, act, margin, verdict.all_resident, stages, streaming, graphs)
+
+
+def _stationary(stages, loader, budget: int) -> tuple[str, ...]:
+    """The components a stream of requests like this one never moves in its steady state (orin.memory.residency,
+    on the loader's sizes and what it holds now)."""
+    from ..memory.residency import simulate, stationary
+
+    try:
+        moves = simulate(stages.calls(), loader.unit_sizes(), budget, resident=loader.resident_units())
+    except ValueError:  # the sizes measured since the plan's estimate say otherwise: no graph is safe to keep
+        return ()
+    return stationary(moves[-1])
+
+
+def validate(req: GenerationRequest, voices: tuple[str, ...]) -> None:
+    """An InputError where `req` cannot be run whatever the memory: no tokens asked, no message, an unknown voice."""
+    if req.max_new_tokens < 1:
+        raise InputError("max_new_tokens must be at least 1")
+    if req.speech and req.voice.lower() not in voices:
+        raise InputError(f"unknown voice {req.voice!r}; voices: {', '.join(voices)}")
+    if not req.messages:
+        raise InputError("messages is empty: give at least one user message")
+
+
+def release_failed(loader, decoders, device, failure, tokens: int) -> None:
+    """After an allocation failed while a request ran, once its frames are gone: what it held goes back, so that
+    the next request starts from the weights alone. Background loads are settled (one that failed too has given
+    up its units: orin.memory.loader's _abandon), the thinker's and talker's KV caches and graphs are dropped (the
+    next request allocates and captures what it needs; a held conversation prefix goes with them), reference
+    cycles holding tensors are collected, and on CUDA the allocator's cached blocks return to the driver, where
+    the board's other users (and NvMap) can have them. `failure`: the orin.memory.oom.AllocationFailure, logged
+    with the `tokens` generated before it."""
+    log.warning("out of memory after %d tokens: %s; releasing the request's memory", tokens, failure.cause)
+    for _ in range(8):  # settle() raises the first load that failed and leaves the rest: again until none is left
+        try:
+            loader.settle()
+            break
+        except Exception as exc:  # noqa: BLE001 - what a background load raised changes nothing of the answer
+            log.warning("a background load failed too: %s", exc)
+    for kind in decoders.stats():  # the decoders made so far (asking for one would make it)
+        if kind in ("thinker", "talker"):
+            getattr(decoders, kind).release()
+    loader.set_cache_bytes(0)
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def build_report(state: RequestState, prompt, plan: RequestPlan, energy: EnergyReport, routes: dict[str, str], *,

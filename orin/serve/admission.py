@@ -3,15 +3,24 @@
 A request that finds `max_queue` others already waiting is refused at once (HTTP 429) rather than piling up
 behind a GPU that serves one at a time. A waiting request leaves the queue when its client disconnects
 (its cancel event is set) or when the server stops.
+
+After an out-of-memory answer, MemoryPolicy keeps a request as large from running again until it can fit.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from ..errors import OutOfMemoryError
+from ..memory.oom import MemoryReading, refused
+
+# Where the failed allocation's size is unknown, how much more must be free than when it failed.
+MIN_GROWTH = 64 << 20
 
 
 class QueueFull(Exception):
@@ -111,3 +120,49 @@ class Gate:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+class MemoryPolicy:
+    """Out of memory is answered, then remembered. After a request planned at A bytes (OutOfMemoryError.asked)
+    ran out of memory with F bytes free (read once its memory was given back), a request
+    planned at A or more is refused at once, without running (503 out_of_memory), until the board reports at least
+    A free and more than F: F plus the allocation that failed (MIN_GROWTH where its size is unknown). Sooner it
+    would only fail again, after its prefill. Smaller requests run. The retry that is let through clears the
+    record; if it fails too, its failure is the new one. Where nothing free can be read, requests run.
+
+    `read`: what the board has free now (the engine's free_memory; tests give fake readings); `clock`: seconds."""
+
+    def __init__(self, read: Callable[[], MemoryReading], clock: Callable[[], float] = time.monotonic):
+        self._read = read
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failed: tuple[int, int | None, int, float] | None = None  # asked, free then, free needed, when
+
+    @property
+    def remembered(self) -> int | None:
+        """The planned bytes of the failure remembered, or None."""
+        failed = self._failed
+        return failed[0] if failed is not None else None
+
+    def failed(self, err: OutOfMemoryError) -> None:
+        """A request ran out of memory (a refusal by `admit` changes nothing: nothing ran)."""
+        if not err.tried or err.asked is None:
+            return
+        free = err.memory.free if err.memory is not None else None
+        needed = err.asked if free is None else max(err.asked, free + (err.allocation or MIN_GROWTH))
+        with self._lock:
+            self._failed = (err.asked, free, needed, self._clock())
+
+    def admit(self, asked: int) -> None:
+        """Let a request planned at `asked` bytes run, or raise the OutOfMemoryError that refuses it."""
+        with self._lock:
+            failed = self._failed
+        if failed is None or asked < failed[0]:
+            return
+        memory = self._read()
+        if memory.free is None or memory.free >= failed[2]:
+            with self._lock:
+                if self._failed is failed:
+                    self._failed = None
+            return
+        raise refused(asked, failed[0], failed[1], self._clock() - failed[3], memory)

@@ -92,6 +92,7 @@ class Metrics:
         self.connections = 0
         self.cancelled = 0
         self.rejected_queue_full = 0
+        self.out_of_memory_counts = {"running": 0, "admission": 0}  # orin_out_of_memory_total{when}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.first_audio = Histogram(TTFT_BUCKETS)
         self.rate = Histogram(RATE_BUCKETS)
@@ -117,6 +118,12 @@ class Metrics:
     def queue_full(self) -> None:
         with self._lock:
             self.rejected_queue_full += 1
+
+    def out_of_memory(self, tried: bool) -> None:
+        """One out-of-memory answer: an allocation failed while the request ran (`tried`), or admission refused
+        a request as large as one that failed before (orin.serve.admission.MemoryPolicy)."""
+        with self._lock:
+            self.out_of_memory_counts["running" if tried else "admission"] += 1
 
     def connection(self) -> None:
         with self._lock:
@@ -185,6 +192,10 @@ class Metrics:
                             "Generations stopped early because the client went away.", [({}, self.cancelled)])
             lines += family("orin_requests_rejected_queue_full_total", "counter",
                             "Requests answered 429 because the queue was full.", [({}, self.rejected_queue_full)])
+            lines += family("orin_out_of_memory_total", "counter",
+                            "Requests answered 503 out_of_memory: an allocation failed while running, or refused at "
+                            "admission until more memory is free.",
+                            [({"when": w}, n) for w, n in self.out_of_memory_counts.items()])
             lines += family("orin_requests_in_flight", "gauge", "Generations running on the GPU (0 or 1).",
                             [({}, in_flight)])
             lines += family("orin_queue_depth", "gauge", "Requests waiting for the GPU.", [({}, queued)])

@@ -25,15 +25,20 @@ if TYPE_CHECKING:
     from .chat_request import ChatRequest
 
 from ..audio_format import OUTPUT_SAMPLE_RATE
-from ..errors import BudgetError, InputError, OrinError
+from ..errors import BudgetError, InputError, OrinError, OutOfMemoryError
 from .voice import VoiceError
+
+# Seconds an out-of-memory answer asks the client to wait: the board's other users may free memory by then.
+OUT_OF_MEMORY_RETRY_S = 5
 
 
 class ApiError(Exception):
-    """A request the API refuses, with its HTTP status and OpenAI error fields."""
+    """A request the API refuses, with its HTTP status and OpenAI error fields; `extra`: more fields of the error
+    object (OpenAI's clients keep them in the exception's `body`)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None):
+                 code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None,
+                 extra: Mapping | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -41,15 +46,21 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
 
     def body(self) -> dict:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+        body = error_body(self.message, type=self.type, code=self.code, param=self.param)
+        body["error"].update(self.extra)
+        return body
 
 
 def to_api_error(exc: BaseException) -> ApiError:
-    """Client mistakes are 4xx with the engine's message; anything else is a 500 that says what broke."""
+    """Client mistakes are 4xx with the engine's message; out of memory is a 503 (an answer: the server goes on);
+    anything else is a 500 that says what broke."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, OutOfMemoryError):
+        return out_of_memory_error(exc)
     if isinstance(exc, BudgetError):
         return ApiError(400, str(exc), code="budget_exceeded")
     if isinstance(exc, VoiceError):
@@ -59,6 +70,15 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, OrinError):
         return ApiError(500, str(exc), type="server_error")
     return ApiError(500, f"internal error ({type(exc).__name__}: {exc}); see the server log", type="server_error")
+
+
+def out_of_memory_error(exc: OutOfMemoryError) -> ApiError:
+    """503: the request ran out of memory (or is as large as one that just did); the server goes on. The error
+    object's `memory` holds the figures the message gives: the bytes asked and failed, and what was free."""
+    memory = {"asked_bytes": exc.asked, "allocation_bytes": exc.allocation, "tried": exc.tried,
+              **(exc.memory.to_json() if exc.memory is not None else {"free_bytes": None})}
+    return ApiError(503, str(exc), type="server_error", code="out_of_memory",
+                    headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_S)}, extra={"memory": memory})
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", code: str | None = None,

@@ -383,8 +383,12 @@ class SessionHandlers:
             closing = run.finish(None, details)  # cancelled while it waited for the GPU: the engine never ran
         except Exception as exc:  # noqa: BLE001 - the engine's error ends this response, not the session
             err = to_api_error(exc)
-            log.log(logging.ERROR if err.status >= 500 else logging.INFO, "realtime response failed: %s", err.message)
+            oom = err.code == "out_of_memory"  # an answer, not a fault: a warning, and an error event too
+            level = logging.WARNING if oom else logging.ERROR if err.status >= 500 else logging.INFO
+            log.log(level, "realtime response failed: %s", err.message)
             closing = run.fail(err.code or "engine_error", err.message, err.type)
+            if oom:  # the session goes on; its client may retry
+                closing.insert(0, error_event(EventError(err.message, code=err.code, type=err.type)))
         finally:
             self.response, self.cancel, self.response_task = None, None, None
             audio_s = run.item.speech.audio_ms / 1000 if run.item.speech else 0.0

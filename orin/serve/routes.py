@@ -211,8 +211,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     err = to_api_error(exc)
-    if err.status >= 500:
-        log.error("%s %s: %s", request.method, request.url.path, err.message)
+    if err.status >= 500:  # out of memory is an answer; the engine has logged what failed
+        level = logging.WARNING if err.code == "out_of_memory" else logging.ERROR
+        log.log(level, "%s %s: %s", request.method, request.url.path, err.message)
     return error_response(err)
 
 

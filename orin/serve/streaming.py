@@ -178,7 +178,8 @@ class EngineResponse:
                 event = await run.get()
         except Exception as exc:  # noqa: BLE001 - the status line has gone out: the error becomes the last event
             err = to_api_error(exc)
-            log.error("stream failed after its headers were sent: %s", err.message)
+            level = logging.WARNING if err.code == "out_of_memory" else logging.ERROR  # an answer, not a fault
+            log.log(level, "stream failed after its headers were sent: %s", err.message)
             await client.event(err.body())
             await self._end(scope, client, done_marker)
             return

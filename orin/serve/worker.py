@@ -8,8 +8,9 @@ goes away sets the request's cancel event from the loop; the engine checks it at
 checks it while waiting.
 
 Kept here, on the thread side, so they hold whatever the HTTP side does: the watchdog's progress mark, the count
-of internal errors in a row, the cancel events of running requests (shutdown cancels them after the drain), and
-the generation metrics, recorded before the GPU is released.
+of internal errors in a row, the cancel events of running requests (shutdown cancels them after the drain), the
+generation metrics, recorded before the GPU is released, and what the last out-of-memory answer leaves for the next
+request (orin.serve.admission.MemoryPolicy: the engine asks it before running a request).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import time
 from collections.abc import Callable
 
 from ..contract import Done, GenerationRequest
-from ..errors import OrinError
-from .admission import Gate, QueueFull
+from ..errors import OrinError, OutOfMemoryError
+from .admission import Gate, MemoryPolicy, QueueFull
 from .metrics import Metrics
 from .protocol import to_api_error
 
@@ -67,6 +68,7 @@ class Worker:
         self.metrics = metrics
         self.hook = hook
         self.engine = None
+        self.memory = MemoryPolicy(lambda: self.engine.free_memory())
         self.progress = time.monotonic()  # the last time the running request moved (watchdog)
         self.failures = 0  # internal errors in a row
         self._active: set[threading.Event] = set()
@@ -131,7 +133,7 @@ class Worker:
         try:
             if self.hook is not None:
                 self.hook("admitted", None, cancel)
-            events = self.engine.stream(req, cancel)
+            events = self.engine.stream(req, cancel, admit=self.memory.admit)
             try:
                 for event in events:
                     self.progress = time.monotonic()
@@ -144,6 +146,10 @@ class Worker:
             finally:
                 events.close()
             self.failures = 0
+        except OutOfMemoryError as exc:  # an answer, not a failure of the server: the watchdog does not count it
+            self.memory.failed(exc)
+            self.metrics.out_of_memory(exc.tried)
+            raise
         except Exception as exc:
             if to_api_error(exc).status >= 500:
                 self.failures += 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Before/after benchmark driver for one lent-GPU call, run from the repo root (the BEFORE tree unpacked first:
 # git archive REV | tar -x -C .base; the AFTER tree: the repo root, or AB_TREE_B=DIR):
-#   bash scripts/ab/drive.sh std|sliced|rest|video|probe
+#   bash scripts/ab/drive.sh std|sliced|rest|video|memory|probe
 # Tree A = before = .base (git archive of 272f6af, no benchmarks/); tree B = after = the repo root. Both run
 # `orin-omni bench` (python3 -m orin.cli bench, through scripts/ab/bench_shim.py: checksums checked by size only)
 # on ONE synthetic INT4 checkpoint written once by scripts/ab/prep.py with tree A's code, with the options of
@@ -16,6 +16,8 @@
 # video  : per tree `--compile off --skip-sliced --video-seconds 120 --video-fps 2 --video-fps 1`: the graph engine
 #          fresh (standard request), then the 1 fps and 2 fps cases on it; with AB_PROBE=1, then the long-lived
 #          probe if at least AB_PROBE_NEED_S (300) s are left.
+# memory : tree B only, `--compile on --memory V --budget-sliced ...` per variant V of AB_MEMORY ("orin fallback"):
+#          the weight arenas under the Orin profile's bounds, or every reservation refused (the loader's fallback).
 # probe  : scripts/ab/probe_longlived.py alone (defect 2), on tree A (or AB_PROBE_TREE=B).
 #
 # Results in $OUT: log.txt (everything), NAME-A.json / NAME-B.json (bench --json), summary.txt (before/after
@@ -24,7 +26,7 @@
 # (auto), AB_POWER (nvml), AB_LIMIT_S, AB_ORDER (AB or BA: which tree runs first; default per mode), AB_BUDGETS
 # ("17 19 21 18 20", GiB, in this order), AB_VIDEO_FPS ("2 1"; the bench runs the lower rate first), AB_PROBE=1.
 set -uo pipefail
-MODE=${1:?usage: drive.sh std|sliced|rest|video|probe}
+MODE=${1:?usage: drive.sh std|sliced|rest|video|memory|probe}
 ROOT=$PWD
 T0=$(date +%s)
 LIMIT=${AB_LIMIT_S:-540}
@@ -185,6 +187,12 @@ main() {
       else
         say "probe not run (AB_PROBE=${AB_PROBE:-unset}, $(left)s left, needs ${AB_PROBE_NEED_S:-300})"
       fi ;;
+    memory)  # tree B only: each of AB_MEMORY's variants (orin, fallback) time-sliced at AB_BUDGETS
+      local budgets=()
+      for b in ${AB_BUDGETS:-17 19 21}; do budgets+=(--budget-sliced "${b}GiB"); done
+      for v in ${AB_MEMORY:-orin fallback}; do
+        bench "mem-$v" B 220 --compile on --memory "$v" "${budgets[@]}"
+      done ;;
     probe)
       ensure_pack "${AB_PROBE_TREE:-A}"
       run_py "${AB_PROBE_TREE:-A}" "$(( $(left) - 10 ))" "$PLAN/probe_longlived.py" --model-dir "$CK" \
