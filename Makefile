@@ -30,7 +30,8 @@ COMPAT_TESTS ?= $(addprefix tests/,test_engine.py test_decode.py test_int4.py te
 	test_manifest.py test_plan.py test_cli.py test_time_sliced.py test_block_reader.py test_residency.py \
 	test_packed_cache.py test_video.py test_video_model.py test_video_api.py test_vad.py test_realtime.py \
 	test_audio_api.py test_deferred_captures.py test_continued_turns.py test_quantize_batched_solve.py \
-	test_weight_arena.py test_device_profile.py test_int4_experts.py)
+	test_weight_arena.py test_device_profile.py test_int4_experts.py test_arena_faults.py \
+	test_out_of_memory.py test_allocation_ceiling.py)
 
 .PHONY: demo test test-compat venv venv-compat system-deps clean wheel
 
@@ -47,9 +48,10 @@ venv: $(VENV)/.installed
 # each pruned of the parts a CPU run never loads right after it lands, so the disk never holds all their wheels
 # and all their files at once; then orin-omni with --no-deps and its device-side extras listed from its metadata
 # (naming torch again would make pip resolve torch's full CUDA set). pip then reports torch's cuSOLVER, NVRTC, NVTX
-# and Triton as missing: they are, on purpose. The last step fails if transformers & co. got in. About 2 minutes
-# and 4.3 GB (5 GB free are asked for first, with a clear error); pip's cache saves nothing here (the registry
-# sends no caching headers), and the download is a few seconds of that anyway.
+# and Triton as missing: they are, on purpose, so `compat_env.py pip` drops that report and says so in one line.
+# The last step fails if transformers & co. got in. About 2 minutes and 4.3 GB (5 GB free are asked for first, with
+# a clear error); pip's cache saves nothing here (the registry sends no caching headers), and the download is a few
+# seconds of that anyway.
 $(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
 	rm -rf $(COMPAT_VENV)
 	$(PYTHON310) tests/compat_env.py room $(COMPAT_VENV)
@@ -63,7 +65,7 @@ $(COMPAT_VENV)/.installed: pyproject.toml tests/compat_env.py
 	done < $(COMPAT_VENV)/torch-libs.txt
 	$(CPY) -m pip install --quiet --no-deps -e .
 	$(CPY) tests/compat_env.py requirements > $(COMPAT_VENV)/requirements.txt
-	$(CPY) -m pip install --quiet -r $(COMPAT_VENV)/requirements.txt
+	$(CPY) tests/compat_env.py pip install --quiet -r $(COMPAT_VENV)/requirements.txt
 	$(CPY) tests/compat_env.py torch-dependents > $(COMPAT_VENV)/torch-dependents.txt
 	$(CPY) -m pip install --quiet --no-deps -r $(COMPAT_VENV)/torch-dependents.txt
 	$(CPY) tests/compat_env.py check $(COMPAT_TORCH)
@@ -79,12 +81,23 @@ system-deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq systemd espeak-ng >/dev/null; }
 
-# The compat environment is built first: a failed download should not wait for the main suite.
+# The compat environment is built first: a failed download should not wait for the main suite. The main suite runs
+# in TEST_WORKERS pytest-xdist workers (a whole file each, so a module's fixtures are built once) with the compat
+# run beside them: its output waits in build/test-compat.log and follows the main suite's; either failing fails
+# make. One torch thread per process: the processes keep the cores busy already, and on the tiny model's short ops
+# a second thread mostly spin-waits.
+TEST_WORKERS ?= 2
+test: export OMP_NUM_THREADS = 1
 test: venv venv-compat system-deps
-	$(PY) -m pytest -q
-	$(MAKE) --no-print-directory test-compat
+	@mkdir -p build
+	@echo "$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile   (and make test-compat alongside)"
+	@$(MAKE) --no-print-directory test-compat > build/test-compat.log 2>&1 & compat=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile; main=$$?; \
+	wait $$compat; status=$$?; echo "make test-compat (ran alongside):"; cat build/test-compat.log; \
+	[ $$main = 0 ] && [ $$status = 0 ]
 
-# The checkpoints are written afresh each time: ones left by older code would be read as current.
+# The checkpoints are written afresh each time: ones left by older code would be read as current. What writing them
+# prints goes to build/compat-fixtures.log, shown only if it fails.
 test-compat: venv venv-compat
 	$(PY) tests/fixture_checkpoints.py $(COMPAT_FIXTURES)
 	$(CPY) -m pytest -q --fixtures-dir $(COMPAT_FIXTURES) $(COMPAT_TESTS)

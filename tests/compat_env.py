@@ -7,6 +7,7 @@ the compat environment's Python, 3.10: no tomllib, so pyproject.toml is read thr
     python tests/compat_env.py room DIR       DIR's disk has room for the environment (a clear error if not)
     python tests/compat_env.py prune          delete the parts of torch's CUDA libraries a CPU run never loads
     python tests/compat_env.py check VERSION  the environment is what it claims: that torch, no HF/GPTQ/Triton
+    python tests/compat_env.py pip ARGS...    pip ARGS, less its resolver's report of what LAZY leaves out
 
 PyPI's x86_64 torch is a CUDA build whose metadata asks for 14 nvidia-* packages and Triton (3.7 GB of downloads
 for 2.8.0). On a CPU, `import torch` needs only the libraries its .so files link (DT_NEEDED): libtorch_cpu.so links
@@ -29,6 +30,7 @@ import importlib.metadata as md
 import importlib.util
 import re
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -135,6 +137,33 @@ def prune(site: Path) -> int:
     return freed
 
 
+# pip's report after an install that resolved dependencies (pip 23-26): this header, then one line per conflict.
+RESOLVER_HEADER = "ERROR: pip's dependency resolver does not currently take into account all the packages"
+CONFLICT = re.compile(r"(\S+) \S+ requires ([A-Za-z0-9._-]+)")
+
+
+def pip(args: list[str]) -> int:
+    """`python -m pip ARGS`, its exit status kept, less the resolver's report that torch lacks what LAZY names (it
+    does, on purpose), with one line saying so instead; everything else pip prints shows, other conflicts too."""
+    proc = subprocess.Popen([sys.executable, "-m", "pip", *args], stderr=subprocess.PIPE, text=True)
+    header, dropped = None, False  # header: None outside a report, "" once shown
+    for line in proc.stderr:
+        if line.startswith(RESOLVER_HEADER):
+            header = line  # shown only above a conflict that is not a LAZY one
+            continue
+        conflict = CONFLICT.match(line) if header is not None else None
+        missing = line.rstrip().endswith(", which is not installed.")
+        if conflict and conflict[1] == "torch" and missing and _stem(conflict[2]) in LAZY:
+            dropped = True
+            continue
+        sys.stderr.write((header if conflict else "") + line)
+        header = "" if conflict else None
+    if dropped:
+        print("compat environment: pip reports torch's cuSOLVER, NVRTC, NVTX and Triton as missing; they are left "
+              "out on purpose (a CPU run never loads them: tests/compat_env.py), so that report is not shown")
+    return proc.wait()
+
+
 def check(version: str) -> list[str]:
     """What is wrong with this environment as the compat one (empty when it is right)."""
     import torch
@@ -168,6 +197,8 @@ def main(argv: list[str]) -> int:
     elif argv[:1] == ["prune"]:
         freed = prune(Path(sysconfig.get_paths()["purelib"]))
         print(f"compat environment: pruned {freed / 1024**2:.0f} MiB that a CPU run never loads")
+    elif argv[:1] == ["pip"] and len(argv) > 1:
+        return pip(argv[1:])
     elif argv[:1] == ["check"] and len(argv) == 2:
         problems = check(argv[1])
         for problem in problems:

@@ -1,8 +1,9 @@
-"""Shared fixtures: the tiny Qwen3-Omni (written once per session, or read from --fixtures-dir) and, where needed,
+"""Shared fixtures: the tiny Qwen3-Omni (written once per run, or read from --fixtures-dir) and, where needed,
 its quantized form."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import traceback
@@ -63,13 +64,25 @@ def prebuilt(config: pytest.Config, name: str) -> str | None:
     return str(path)
 
 
+def built_once(tmp_path_factory, name: str, leaf: str, write) -> str:
+    """RUN/`name`/`leaf`, written by `write` once per run: pytest-xdist's workers (make test) share the run's
+    directory, and the first to come writes the checkpoint while the others wait for it (a quantize run is ~30 s
+    each). The writers rename a checkpoint into place only when it is complete."""
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent  # a worker's basetemp is RUN/popen-gwN
+    out = run / name / leaf
+    out.parent.mkdir(mode=0o700, exist_ok=True)  # as tmp_path_factory.mktemp's
+    with open(run / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        if not (out / "config.json").is_file():
+            write(out)
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(pytestconfig, tmp_path_factory) -> str:
-    if path := prebuilt(pytestconfig, TINY):
-        return path
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    write_tiny(out)
-    return str(out)
+    return prebuilt(pytestconfig, TINY) or built_once(tmp_path_factory, "tiny", "model", write_tiny)
 
 
 @pytest.fixture
@@ -98,11 +111,8 @@ def single_torch_thread():
 def quantized_dir(pytestconfig, tiny_model_dir, tmp_path_factory) -> str:
     """The tiny model quantized (both segments, default settings, built-in calibration). Read-only: copy it
     before changing anything."""
-    if path := prebuilt(pytestconfig, QUANTIZED):
-        return path
-    out = tmp_path_factory.mktemp("quantized") / "int4"
-    write_quantized(Path(tiny_model_dir), out)
-    return str(out)
+    return prebuilt(pytestconfig, QUANTIZED) or built_once(
+        tmp_path_factory, "quantized", "int4", lambda out: write_quantized(Path(tiny_model_dir), out))
 
 
 @pytest.fixture(scope="session")
@@ -208,11 +218,7 @@ def device_target(pytestconfig) -> dict:
 
 @pytest.fixture(scope="session")
 def synthetic_dir(pytestconfig, tmp_path_factory) -> str:
-    if path := prebuilt(pytestconfig, SYNTHETIC):
-        return path
-    out = tmp_path_factory.mktemp("synthetic") / "ckpt"
-    write_synthetic(out)
-    return str(out)
+    return prebuilt(pytestconfig, SYNTHETIC) or built_once(tmp_path_factory, "synthetic", "ckpt", write_synthetic)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,16 @@ the main environment write them once with this script:
 
     python tests/fixture_checkpoints.py build/compat-fixtures
 
-and the compat run reads them with `pytest --fixtures-dir build/compat-fixtures` (conftest.py)."""
+and the compat run reads them with `pytest --fixtures-dir build/compat-fixtures` (conftest.py). What the build
+prints (quantize's progress, the libraries' load-time notices) goes to DIR.log, shown only if the build fails."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 # DIR/<name> for each fixture that --fixtures-dir serves.
@@ -68,7 +71,39 @@ def write_all(root: Path) -> None:
     write_synthetic(root / SYNTHETIC)
 
 
+@contextlib.contextmanager
+def output_to(log: Path):
+    """stdout and stderr into `log`, at the file descriptors (torch's and torchao's native code write there
+    directly); the log is printed when the block raises."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        if not ok:
+            sys.stdout.write(log.read_text(errors="replace"))
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python tests/fixture_checkpoints.py DIR")
-    write_all(Path(sys.argv[1]))
+    root = Path(sys.argv[1])
+    log = root.with_name(root.name + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with output_to(log):
+        write_all(root)
+    print(f"fixture checkpoints: {TINY}, {QUANTIZED} and {SYNTHETIC} written to {root} in "
+          f"{time.monotonic() - start:.0f} s (its output: {log})")

@@ -6,6 +6,7 @@ generation until the server cancels it."""
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import threading
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import openai
 import server_kit as kit
+import websockets.sync.client
 from speech_kit import pcm16
 
 from orin.contract import Done, TextDelta
@@ -22,15 +24,25 @@ GUARD_S = 120
 CHUNK_MS = (20, 40, 100, 60, 80)  # the sizes appends cycle through, as a microphone client's buffers vary
 
 
+# The openai client opens its socket with websockets' connect() outside a `with` and closes it itself; websockets
+# >= 17.1 warns about that (a DeprecationWarning per connection) unless told legacy=True, which 16 does not take.
+WS_OPTIONS = {"legacy": True} if "legacy" in inspect.signature(websockets.sync.client.connect).parameters else {}
+
+
 def client(srv, key: str = "x") -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", websocket_base_url=srv.url.replace("http", "ws", 1) + "/v1",
                          api_key=key, max_retries=0)
 
 
+def connect(srv, key: str = "x", model: str | None = None):
+    """The official client's `realtime.connect` to `srv` (a context manager; nothing read yet)."""
+    return client(srv, key).realtime.connect(model=model or srv.model_name, websocket_connection_options=WS_OPTIONS)
+
+
 @contextmanager
 def session(srv, key: str = "x", model: str | None = None):
     """An open Realtime connection, its session.created read (returned as `conn.created`)."""
-    with client(srv, key).realtime.connect(model=model or srv.model_name) as conn:
+    with connect(srv, key, model) as conn:
         timer = threading.Timer(GUARD_S, conn.close)
         timer.daemon = True
         timer.start()

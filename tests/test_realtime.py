@@ -453,7 +453,7 @@ def test_api_keys_and_the_model_are_checked(engine, quantized_dir, tmp_path):
     server = kit.start_server(engine, quantized_dir, api_key_file=str(keys))
     try:
         for key, model, code in (("wrong", None, "invalid_api_key"), ("secret-key", "gpt-realtime", "model_not_found")):
-            with rt.client(server, key).realtime.connect(model=model or server.model_name) as conn:
+            with rt.connect(server, key, model) as conn:
                 error = conn.recv()
                 assert error.type == "error" and error.error.code == code
                 with pytest.raises(ConnectionClosed) as info:
@@ -476,7 +476,7 @@ def test_session_cap_refuses_or_waits_as_configured(engine, quantized_dir):
     server = kit.start_server(engine, quantized_dir, realtime_max_sessions=1, realtime_busy="error")
     try:
         with rt.session(server):
-            with rt.client(server).realtime.connect(model=server.model_name) as second:
+            with rt.connect(server) as second:
                 error = second.recv()
                 assert error.type == "error" and error.error.code == "session_limit_reached"
                 with pytest.raises(ConnectionClosed) as info:

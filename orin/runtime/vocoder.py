@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 from ..contract import AudioChunk
@@ -47,8 +46,8 @@ class Vocoder:
             new_frames = tuple(tuple(int(c) for c in f.tolist()) for f in self.frames[self.done:end])
             self.done = end
             if self.state.first_audio is None:
-                self.state.first_audio = time.perf_counter() - self.state.t0
-                self.state.mark("first_audio")
+                self.state.mark("first_audio")  # one clock reading for both: the report's and the timeline's
+                self.state.first_audio = self.state.timeline["first_audio"]
             self.state.audio_samples += samples.size
             yield AudioChunk(samples, self.index, new_frames)
             self.index += 1
