@@ -33,6 +33,7 @@ from ..errors import BudgetError
 from . import residency
 from .arena import Arenas
 from .packed_cache import PackedCache
+from .request_sizes import pinned_host_bytes
 from .skeleton import Skeleton
 from .unit_reader import UnitReader
 from .vmm_driver import VmmDriver, driver_for
@@ -52,10 +53,13 @@ class MemoryTracker:
     dynamic: int = 0
     peak: int = 0
     arenas: Arenas | None = None
+    # Pinned host memory the loader keeps (its staging buffers), where that is the device's own DRAM (Tegra's
+    # unified memory: the plan counts it against the budget, request_sizes.stage_margin); 0 on a discrete GPU.
+    host: int = 0
 
     def current(self) -> int:
         if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device) + self._mapped()
+            return torch.cuda.memory_allocated(self.device) + self._mapped() + self.host
         return sum(self.resident.values()) + self.dynamic
 
     def _mapped(self, peak: bool = False) -> int:
@@ -67,7 +71,7 @@ class MemoryTracker:
         """What the process holds from the driver for the engine: the allocator's segments and the mapped weights."""
         if self.device.type != "cuda":
             return self.current()
-        return torch.cuda.memory_reserved(self.device) + self._mapped()
+        return torch.cuda.memory_reserved(self.device) + self._mapped() + self.host
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
@@ -79,7 +83,7 @@ class MemoryTracker:
     def observe(self) -> int:
         now = self.current()
         if self.device.type == "cuda":
-            now = max(now, torch.cuda.max_memory_allocated(self.device) + self._mapped(peak=True))
+            now = max(now, torch.cuda.max_memory_allocated(self.device) + self._mapped(peak=True) + self.host)
         self.peak = max(self.peak, now)
         return now
 
@@ -130,7 +134,9 @@ class Loader:
             # the cap by their size (an engine opened after a large read then held gigabytes over its budget).
             torch.cuda.empty_cache()
             self._held_before = torch.cuda.memory_reserved(device)
-        self._memory = MemoryTracker(device, arenas=self._arenas)  # its `resident`: bytes per resident unit
+        unified = profile.capabilities.unified_memory and device.type == "cuda"
+        self._memory = MemoryTracker(device, arenas=self._arenas,  # its `resident`: bytes per resident unit
+                                     host=pinned_host_bytes(profile.memory) if unified else 0)
         if estimates is None:  # the planner's, as the engine passes them
             from .model_sizes import size_model
 
@@ -358,7 +364,7 @@ class Loader:
         The plan keeps what is allocated under the budget; the cap is on the cache."""
         if self._arenas is None or self.budget is None or self.device.type != "cuda":
             return
-        room = self._held_before + max(self.budget - self._arenas.mapped - incoming, 0)
+        room = self._held_before + max(self.budget - self._arenas.mapped - self._memory.host - incoming, 0)
         torch.cuda.set_per_process_memory_fraction(min(room / self._device_total, 1.0), self._device_index)
 
     def _held(self) -> dict[str, int]:
