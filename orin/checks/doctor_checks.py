@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OrinError
+from ..memory.oom import read_meminfo as _read_meminfo
 from ..service.unit import size_text
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
@@ -286,18 +287,8 @@ def check_nvpmodel(nvpmodel: str | None, jetson: bool, run: Runner = subprocess.
 
 
 def read_meminfo(proc_root: str) -> dict[str, int]:
-    """/proc/meminfo as bytes per field (MemTotal, MemAvailable, ...); {} where there is none."""
-    try:
-        text = (Path(proc_root) / "meminfo").read_text()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        fields = rest.split()
-        if fields and fields[0].isdigit():
-            out[key.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
-    return out
+    """PROC_ROOT/meminfo as bytes per field (MemTotal, MemAvailable, ...); {} where there is none."""
+    return _read_meminfo(str(Path(proc_root) / "meminfo"))
 
 
 def plan_command(model_dir: str, budget: int, profile: str) -> str:

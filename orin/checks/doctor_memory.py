@@ -1,4 +1,4 @@
-"""The doctor's probes of the Orin's memory as it really behaves (issue 37): what owners report of Tegra's memory
+"""The doctor's probes of the Orin's memory as it really behaves: what owners report of Tegra's memory
 system (docs/architecture.md; the profile's ORIN_NOTES), tried on this board before the service meets it.
 
 - allocator config: no `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, in this shell
