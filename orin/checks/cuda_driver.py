@@ -12,14 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
-# CUdevice_attribute (cuda.h); the runtime's cudaDevAttr* numbers are the same.
-ATTR_HOST_REGISTER_SUPPORTED = 99
-ATTR_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
-CUDA_ERROR_OUT_OF_MEMORY = 2
-CUDA_ERROR_NO_DEVICE = 100
-_ALLOCATION_TYPE_PINNED = 1
-_LOCATION_TYPE_DEVICE = 1
-_GRANULARITY_MINIMUM = 0
+from ..device import cuda_abi as abi
 
 
 class CudaCallError(RuntimeError):
@@ -78,20 +71,6 @@ class CudaDriver:
         pass
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
-
-
 class LibCuda(CudaDriver):
     """The driver's calls for device `index`, its primary context current while it is open (the allocation and
     registration calls need one; where torch made it already, this shares it)."""
@@ -111,7 +90,7 @@ class LibCuda(CudaDriver):
         except CudaCallError:
             self._call("cuDevicePrimaryCtxRelease_v2", self._device)
             raise
-        self._prop = _AllocationProp(type=_ALLOCATION_TYPE_PINNED, location=_Location(_LOCATION_TYPE_DEVICE, index))
+        self._prop = abi.device_memory(index)
 
     def _error_name(self, code: int) -> str:
         text = ctypes.c_char_p()
@@ -136,7 +115,7 @@ class LibCuda(CudaDriver):
     def granularity(self) -> int:
         value = ctypes.c_size_t()
         self._call("cuMemGetAllocationGranularity", ctypes.byref(value), ctypes.byref(self._prop),
-                   ctypes.c_int(_GRANULARITY_MINIMUM))
+                   ctypes.c_int(abi.GRANULARITY_MINIMUM))
         return value.value
 
     def reserve(self, size: int) -> int:

@@ -26,16 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..device.allocator_conf import WHY_NOT_ON_TEGRA, AllocatorConf
+from ..device.cuda_abi import ATTR_HOST_REGISTER_SUPPORTED, ATTR_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 from ..device.profile import MemoryTuning
 from ..units import format_bytes
 from .check import FAIL, PASS, SKIP, Check
-from .cuda_driver import (
-    ATTR_HOST_REGISTER_SUPPORTED,
-    ATTR_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-    CudaCallError,
-    CudaDriver,
-    DriverUnavailable,
-)
+from .cuda_driver import CudaCallError, CudaDriver, DriverUnavailable
 from .doctor_checks import WARN
 
 DRIVER_PROBES = ("vmm reservation", "largest allocation", "host register")

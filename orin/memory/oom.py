@@ -24,12 +24,12 @@ import re
 import sys
 from dataclasses import dataclass
 
+from ..device.cuda_abi import CUDA_ERROR_OUT_OF_MEMORY
 from ..errors import OutOfMemoryError
 from ..units import format_bytes
 
 log = logging.getLogger("orin.memory.oom")
 
-CUDA_ERROR_OUT_OF_MEMORY = 2
 # The words of an allocation failure in a RuntimeError's message (see the module's docstring).
 _TEXTS = re.compile(r"out of memory|NVML_SUCCESS == r|INTERNAL ASSERT FAILED.*CUDACachingAllocator|"
                     r"cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|NvMapMemAllocInternalTagged|"

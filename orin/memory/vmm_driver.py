@@ -16,12 +16,10 @@ from functools import cache
 
 import torch
 
+from ..device import cuda_abi as abi
+
 log = logging.getLogger("orin.memory.arena")
 
-_CU_MEM_ALLOCATION_TYPE_PINNED = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 
 
 class DriverError(RuntimeError):
@@ -95,37 +93,17 @@ class VmmDriver:
         self.mem_release(handle)
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
 class CudaVmm(VmmDriver):
     """The CUDA driver's calls of virtual memory management, for one device."""
 
     def __init__(self, lib: ctypes.CDLL, index: int):
         self._lib = lib
         self.index = index
-        self._prop = _AllocationProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED,
-                                     location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, index))
-        self._access = _AccessDesc(location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, index),
-                                   flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        self._prop = abi.device_memory(index)
+        self._access = abi.read_write(index)
         granularity = ctypes.c_size_t()
         self._call("cuMemGetAllocationGranularity", 0, ctypes.byref(granularity), ctypes.byref(self._prop),
-                   ctypes.c_int(0))
+                   ctypes.c_int(abi.GRANULARITY_MINIMUM))
         self.granularity = granularity.value
         self.device = torch.device("cuda", index)
 
@@ -191,7 +169,7 @@ def _vmm(index: int) -> CudaVmm | None:
     device = ctypes.c_int()
     if (lib.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)) != 0
             or lib.cuDeviceGetAttribute(ctypes.byref(supported),
-                                        _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != 0
+                                        abi.ATTR_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != 0
             or not supported.value):
         log.info("CUDA device %d has no virtual memory management; weights use a memory pool", index)
         return None
