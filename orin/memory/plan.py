@@ -228,13 +228,21 @@ def request_from(cfg: PlanConfig) -> Request:
 def plan_request(sizes: ModelSizes, req: Request, budget: int, profile: DeviceProfile, dtype_bytes: int = 2,
                  resident: dict[str, int] | None = None) -> tuple[dict, dict, dict, Verdict]:
     tokens = request_tokens(req, sizes.dims, profile)
-    kv = kv_bytes(tokens, sizes.dims, dtype_bytes, profile)
-    act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
     if resident is None:
         resident = {n: c.runtime_int4_bytes for n, c in sizes.components.items()}
+    return (tokens, *plan_tokens(tokens, sizes, resident, req.needed(), budget, profile, dtype_bytes))
+
+
+def plan_tokens(tokens: dict, sizes: ModelSizes, resident: dict[str, int], needed: tuple[str, ...], budget: int,
+                profile: DeviceProfile, dtype_bytes: int) -> tuple[dict, dict, Verdict]:
+    """(KV caches, activations, verdict) of a request's `tokens` (request_sizes' dict), the one arithmetic of
+    `plan` (from an estimated Request) and the engine (from a prepared prompt): the stages' margin, and the
+    largest single allocation against the profile's ceiling."""
+    kv = kv_bytes(tokens, sizes.dims, dtype_bytes, profile)
+    act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
     largest = allocations(tokens, sizes.dims, dtype_bytes, profile, sizes)[0]
-    return tokens, kv, act, decide(resident, kv, act, req.needed(), budget, stage_margin(profile), largest,
-                                   profile.memory.max_allocation_bytes)
+    return kv, act, decide(resident, kv, act, needed, budget, stage_margin(profile), largest,
+                           profile.memory.max_allocation_bytes)
 
 
 def machine_profile(tegra: bool | None = None) -> DeviceProfile:

@@ -28,7 +28,7 @@ from ..device.profile import DeviceProfile
 from ..memory.oom import MemoryReading, allocation_failure, out_of_memory, read_memory
 from .attention import without_cudnn_attention
 from .heap import HeapSettler
-from .request_state import Cancelled, RequestPlan, RequestState, build_report, plan_request, release_failed, validate
+from .request_state import Cancelled, RequestPlan, RequestState, build_report, plan_prompt, release_failed, validate
 
 log = logging.getLogger("orin.runtime.engine")
 
@@ -287,8 +287,8 @@ class Engine:
     # ------------------------------------------------------------------ preparation
 
     def _plan(self, req: GenerationRequest, prompt) -> RequestPlan:
-        return plan_request(req, prompt, sizes=self.sizes, profile=self.profile, loader=self.loader,
-                            dtype_bytes=self.dtype.itemsize, budget=self.cfg.budget, prefetch=self.cfg.prefetch)
+        return plan_prompt(req, prompt, sizes=self.sizes, profile=self.profile, loader=self.loader,
+                           dtype_bytes=self.dtype.itemsize, budget=self.cfg.budget, prefetch=self.cfg.prefetch)
 
     def _stage(self, call) -> None:
         """Make the call's components resident (the loader evicts and prefetches within the budget), then tell

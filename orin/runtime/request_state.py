@@ -1,5 +1,5 @@
 """One request's state while it runs: what the stages have produced and when. Each request gets its own; nothing
-of a request is kept on the engine. Also its plan (plan_request: the planner's verdict and schedule for its
+of a request is kept on the engine. Also its plan (plan_prompt: the planner's verdict and schedule for its
 prompt), and what is given back when an allocation fails while it runs (release_failed)."""
 
 from __future__ import annotations
@@ -75,33 +75,22 @@ class RequestPlan:
         return working_bytes(tuple(self.verdict.needed), self.kv, self.act, self.margin)
 
 
-def plan_request(req: GenerationRequest, prompt, *, sizes, profile, loader, dtype_bytes: int, budget: int | None,
-                 prefetch: bool) -> RequestPlan:
+def plan_prompt(req: GenerationRequest, prompt, *, sizes, profile, loader, dtype_bytes: int, budget: int | None,
+                prefetch: bool) -> RequestPlan:
     """The planner's verdict and schedule for `req`'s prepared `prompt` (a BudgetError where it cannot run), on the
     model's `sizes` (orin.memory.model_sizes), the device `profile` and what the `loader` holds."""
-    from ..memory.plan import decide, require_fit, stagings
-    from ..memory.request_sizes import (
-        AUDIO_FRAMES_PER_SECOND,
-        Request,
-        activation_bytes,
-        allocations,
-        kv_bytes,
-        prompt_tokens,
-        stage_margin,
-    )
+    from ..memory.plan import plan_tokens, require_fit, stagings
+    from ..memory.request_sizes import AUDIO_FRAMES_PER_SECOND, Request, prompt_tokens, stage_margin
 
     tokens = prompt_tokens(prompt, req.max_new_tokens, req.frame_cap if req.speech else 0, sizes.dims, profile)
-    kv = kv_bytes(tokens, sizes.dims, dtype_bytes, profile)
-    act = activation_bytes(tokens, sizes.dims, dtype_bytes, profile)
     budget = budget if budget is not None else 1 << 62
-    margin = stage_margin(profile)  # the runtime margin, and on unified memory the pinned staging buffers
     # the components it needs: the planner's Request of the media this prompt holds (one definition)
     video_s = sum(grid[0] * s for grid, s in zip(prompt.video_grids, prompt.video_seconds, strict=True))
     needed = Request(audio_seconds=sum(prompt.audio_lengths) / AUDIO_FRAMES_PER_SECOND,
                      images=len(prompt.image_grids), video_seconds=video_s, speech=req.speech).needed()
-    largest = allocations(tokens, sizes.dims, dtype_bytes, profile, sizes)[0]
-    verdict = decide(loader.sizes(), kv, act, needed, budget, margin, largest, profile.memory.max_allocation_bytes)
+    kv, act, verdict = plan_tokens(tokens, sizes, loader.sizes(), needed, budget, profile, dtype_bytes)
     require_fit(verdict)
+    margin = stage_margin(profile)  # the runtime margin, and on unified memory the pinned staging buffers
     streaming = req.speech and req.stream_speech and verdict.streaming
     stages = stagings(verdict, kv, act, margin, streaming, req.speech, prefetch=prefetch)
     graphs = verdict.needed if verdict.all_resident else _stationary(stages, loader, budget)
